@@ -1,0 +1,42 @@
+# lsparse: one virtualenv, built here, so that users and CI run the same environment.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+SHARED ?= ../shared/data
+DEMO_MODEL ?= $(SHARED)/stories260K/stories260K.bin
+DEMO_PROMPT ?= Once upon a time
+
+.PHONY: install demo test test-slow bench lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+# The runtime alone: what `make demo` needs.
+$(VENV)/.installed: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+# Plus the test tools and the torch/transformers references the tests compare against.
+$(VENV)/.installed-test: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[dev,ref]'
+	touch $@ $(VENV)/.installed
+
+install: $(VENV)/.installed
+
+demo: $(VENV)/.installed
+	$(BIN)/lsparse run --dense $(DEMO_MODEL) -p "$(DEMO_PROMPT)" --max-tokens 128
+
+test: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q
+
+test-slow: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q -m slow
+
+bench: $(VENV)/.installed-test
+	$(BIN)/python scripts/bench_dense.py
+
+lint: $(VENV)/.installed-test
+	$(BIN)/ruff check lsparse tests scripts
+
+clean:
+	rm -rf $(VENV) build *.egg-info

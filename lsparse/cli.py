@@ -1,0 +1,116 @@
+"""The lsparse command line: parses options and calls the stages. No work happens here."""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Optional
+
+import click
+import typer
+
+from lsparse.errors import LsparseError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Run language models larger than RAM by paging sparse FFN neurons from flash.")
+state = {"debug": False}
+
+
+def _version(value: bool):
+    if value:
+        from lsparse import __version__
+        typer.echo(f"lsparse {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    debug: bool = typer.Option(False, "--debug", help="Show the full traceback of an error."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+):
+    state["debug"] = debug
+
+
+def _not_yet(what: str, issue: int):
+    raise LsparseError(f"{what} is not implemented yet (issue #{issue}); `lsparse run --dense MODEL` works today")
+
+
+@app.command()
+def run(
+    model: str = typer.Argument(..., help="Image to run; with --dense, any checkpoint: builtin:NAME, a Hugging "
+                                          "Face folder or repo id, or a llama2.c .bin file."),
+    prompt: str = typer.Option("Once upon a time", "--prompt", "-p", help="Prompt text."),
+    max_tokens: int = typer.Option(100, "--max-tokens", "-m", min=1, help="Most tokens to generate."),
+    dense: bool = typer.Option(False, "--dense", help="Dense decoding with every weight in RAM (the baseline)."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the smallest set with this mass."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
+    ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template",
+                                              help="Use the prompt as is, even if the tokenizer has a template."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit)."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer file for a llama2.c checkpoint."),
+    backend: Optional[str] = typer.Option(None, "--backend",
+                                          help="numpy or mlx (default: mlx with Metal, else numpy)."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+):
+    """Generate text. Decoding from a flash image is to come; --dense runs any checkpoint."""
+    if not dense:
+        _not_yet("decoding from a flash image", 5)
+    from lsparse.runtime.dense import run_dense
+    run_dense(model, prompt, max_tokens, temp=temp, top_p=top_p, seed=seed,
+              chat=not ignore_chat_template, revision=revision, tokenizer=tokenizer, backend=backend,
+              as_json=as_json)
+
+
+@app.command()
+def inspect(
+    model: str = typer.Argument(..., help="A checkpoint (builtin:NAME, folder, repo id, llama2.c file)."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+):
+    """Describe a checkpoint: architecture, dimensions and where its weights are. (Images: to come.)"""
+    from lsparse.model.summary import describe, print_summary
+    from lsparse.source import resolve
+    summary = describe(resolve(model, revision))
+    if as_json:
+        typer.echo(json.dumps(summary, indent=2))
+    else:
+        print_summary(summary)
+
+
+@app.command(name="compile")
+def compile_(source: str = typer.Argument(...), output: str = typer.Option(..., "--output", "-o")):
+    """Compile a checkpoint into a flash image (to come: issue #4)."""
+    _not_yet("lsparse compile", 4)
+
+
+@app.command()
+def bench(image: str = typer.Argument(...)):
+    """Baselines and ablations side by side (to come: issue #7)."""
+    _not_yet("lsparse bench", 7)
+
+
+def main():
+    try:
+        app(standalone_mode=False)
+    except LsparseError as e:
+        if state["debug"]:
+            raise
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    except click.exceptions.Exit as e:
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except (KeyboardInterrupt, click.exceptions.Abort):
+        if state["debug"]:
+            raise
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

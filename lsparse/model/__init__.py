@@ -1,0 +1,73 @@
+"""The transformer: an architecture module (llama.py, opt.py) applied to weights held in memory."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lsparse.errors import LsparseError
+from lsparse.model import llama, opt
+from lsparse.model.backend import array_module, default_backend
+from lsparse.model.layers import KVCache
+from lsparse.source.checkpoint import Checkpoint
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": llama, "MistralForCausalLM": llama, "OPTForCausalLM": opt,
+}
+MODEL_TYPES = {"llama": llama, "mistral": llama, "opt": opt}
+
+
+def architecture(config: dict):
+    """The architecture module for a config, and its ModelArgs."""
+    names = config.get("architectures") or []
+    arch = next((ARCHITECTURES[n] for n in names if n in ARCHITECTURES), None)
+    arch = arch or MODEL_TYPES.get(config.get("model_type"))
+    if arch is None:
+        what = ", ".join(names) or config.get("model_type") or "unnamed"
+        raise LsparseError(f"unsupported architecture {what} (supported: {', '.join(ARCHITECTURES)})")
+    return arch, arch.ModelArgs.from_config(config)
+
+
+class Model:
+    """Dense decoder: every weight resident. The baseline each sparse mode is measured against."""
+
+    def __init__(self, arch, args, globals_: dict, layers: list[dict], xp):
+        self.arch, self.args, self.globals, self.layers, self.xp = arch, args, globals_, layers, xp
+
+    @property
+    def context_length(self) -> int:
+        return self.args.max_position_embeddings
+
+    def make_cache(self, max_len: int | None = None) -> list[KVCache]:
+        n_kv, head_dim = self.arch.kv_shape(self.args)
+        length = max_len or self.context_length
+        return [KVCache(self.xp, n_kv, length, head_dim) for _ in self.layers]
+
+    def __call__(self, tokens, cache: list[KVCache]):
+        """Logits (T, vocab) for `tokens` placed after what the cache already holds."""
+        positions = np.arange(cache[0].offset, cache[0].offset + len(tokens))
+        h = self.arch.embed(self.args, self.globals, np.asarray(tokens), positions, self.xp)
+        for w, c in zip(self.layers, cache, strict=True):
+            h = self.arch.block(self.args, w, h, c, positions, self.xp)
+        return self.arch.head(self.args, self.globals, h, self.xp)
+
+
+def _load(tensors, names: dict[str, str], xp) -> dict:
+    return {short: xp.array(np.ascontiguousarray(tensors.get(name))) for short, name in names.items()}
+
+
+def load_model(checkpoint: Checkpoint, backend: str | None = None) -> Model:
+    xp = array_module(backend or default_backend())
+    arch, args = architecture(checkpoint.config)
+    available = set(checkpoint.tensors.names())
+    layers = []
+    for i in range(args.num_hidden_layers):
+        names = arch.layer_tensor_names(args, i, available)
+        missing = sorted(n for n in names.values() if n not in available)
+        if missing:
+            raise LsparseError(f"{checkpoint.location}: tensor {missing[0]} is missing from the checkpoint")
+        layers.append(_load(checkpoint.tensors, names, xp))
+    g_names = arch.global_tensor_names(args, available)
+    missing = sorted(n for n in g_names.values() if n not in available)
+    if missing:
+        raise LsparseError(f"{checkpoint.location}: tensor {missing[0]} is missing from the checkpoint")
+    return Model(arch, args, _load(checkpoint.tensors, g_names, xp), layers, xp)

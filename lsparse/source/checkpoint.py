@@ -1,0 +1,43 @@
+"""A checkpoint: its config, its tensors read one at a time on demand, and its tokenizer."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from lsparse.errors import LsparseError
+
+
+class TensorStore(Protocol):
+    def names(self) -> list[str]: ...
+
+    def shape(self, name: str) -> tuple[int, ...]: ...
+
+    def get(self, name: str) -> np.ndarray:
+        """The tensor as float32, read from disk now: nothing is held between calls."""
+        ...
+
+
+@dataclass
+class Checkpoint:
+    config: dict
+    tensors: TensorStore
+    tokenizer: object | None  # lsparse.source.tokenizer.Tokenizer
+    location: str
+
+
+def read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except FileNotFoundError:
+        raise LsparseError(f"{path}: no such file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LsparseError(f"{path}: malformed JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise LsparseError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value

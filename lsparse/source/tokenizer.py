@@ -1,0 +1,125 @@
+"""Tokenizers of the three kinds checkpoints ship: tokenizer.json, GPT-2 style vocab.json + merges.txt,
+and SentencePiece models (llama2.c's stories models)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from lsparse.errors import LsparseError
+from lsparse.source.checkpoint import read_json
+
+
+class Tokenizer:
+    """encode/decode plus the special tokens and chat template that generation needs."""
+
+    def __init__(self, encode_fn, decode_fn, vocab_size: int, bos_id: int | None, eos_ids: set[int],
+                 add_bos: bool, chat_template: str | None = None, special: dict[str, str] | None = None):
+        self._encode = encode_fn
+        self._decode = decode_fn
+        self.vocab_size = vocab_size
+        self.bos_id = bos_id
+        self.eos_ids = eos_ids
+        self.add_bos = add_bos
+        self.chat_template = chat_template
+        self.special = special or {}
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(self._encode(text))
+        if add_special_tokens and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+            ids.insert(0, self.bos_id)
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._decode(list(ids))
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        if self.chat_template is None:
+            raise LsparseError("this tokenizer has no chat template")
+        from jinja2 import TemplateError
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=True,
+                bos_token=self.special.get("bos_token", ""), eos_token=self.special.get("eos_token", ""))
+        except TemplateError as e:
+            raise LsparseError(f"the chat template failed: {e}") from None
+
+
+def _token_text(value) -> str | None:
+    """Special tokens appear in tokenizer_config.json as strings or as {"content": ...} objects."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def from_folder(folder: Path, config: dict) -> Tokenizer | None:
+    """The tokenizer of a Hugging Face layout folder, or None when it ships none."""
+    tok_config = read_json(folder / "tokenizer_config.json") if (folder / "tokenizer_config.json").exists() else {}
+    special = {k: _token_text(tok_config.get(k)) for k in ("bos_token", "eos_token", "unk_token", "pad_token")}
+    special = {k: v for k, v in special.items() if v}
+    chat_template = tok_config.get("chat_template")
+    if isinstance(chat_template, list):  # a list of named templates: take the default one
+        chat_template = next((t["template"] for t in chat_template if t.get("name") == "default"), None)
+    if chat_template is None and (folder / "chat_template.jinja").exists():
+        chat_template = (folder / "chat_template.jinja").read_text(encoding="utf-8")
+
+    if (folder / "tokenizer.json").exists():
+        from tokenizers import Tokenizer as HFTokenizer
+        try:
+            hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise LsparseError(f"{folder / 'tokenizer.json'}: not a readable tokenizer ({e})") from None
+        # tokenizer.json's post-processor decides whether BOS is added, as in transformers.
+        add_bos = False
+        encode_fn = lambda text: hf.encode(text, add_special_tokens=True).ids  # noqa: E731
+    elif (folder / "vocab.json").exists() and (folder / "merges.txt").exists():
+        hf = byte_level_bpe(folder / "vocab.json", folder / "merges.txt")
+        hf.add_special_tokens([t for t in special.values()])
+        add_bos = bool(tok_config.get("add_bos_token", True))
+        encode_fn = lambda text: hf.encode(text, add_special_tokens=False).ids  # noqa: E731
+    elif (folder / "tokenizer.model").exists():
+        return sentencepiece(folder / "tokenizer.model", chat_template=chat_template)
+    else:
+        return None
+
+    def token_id(text):
+        return hf.token_to_id(text) if text else None
+
+    bos_id = config.get("bos_token_id", token_id(special.get("bos_token")))
+    eos = config.get("eos_token_id", token_id(special.get("eos_token")))
+    eos_ids = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
+    return Tokenizer(encode_fn, lambda ids: hf.decode(ids, skip_special_tokens=True),
+                     hf.get_vocab_size(), bos_id, eos_ids, add_bos, chat_template, special)
+
+
+def byte_level_bpe(vocab: Path, merges: Path):
+    """GPT-2's byte-level BPE (also OPT's) from its two files."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+    try:
+        hf = HFTokenizer(models.BPE.from_file(str(vocab), str(merges)))
+    except Exception as e:
+        raise LsparseError(f"{vocab.parent}: unreadable vocab.json/merges.txt ({e})") from None
+    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.decoder = decoders.ByteLevel()
+    return hf
+
+
+def sentencepiece(path: Path, chat_template: str | None = None) -> Tokenizer:
+    import sentencepiece as spm
+    try:
+        sp = spm.SentencePieceProcessor(model_file=str(path))
+    except (RuntimeError, OSError) as e:
+        raise LsparseError(f"{path}: not a SentencePiece model ({e})") from None
+    bos = sp.bos_id() if sp.bos_id() >= 0 else None
+    eos = {sp.eos_id()} if sp.eos_id() >= 0 else set()
+    special = {"bos_token": sp.id_to_piece(bos) if bos is not None else "",
+               "eos_token": sp.id_to_piece(sp.eos_id()) if eos else ""}
+    return Tokenizer(lambda text: sp.encode(text), lambda ids: sp.decode(ids), sp.get_piece_size(),
+                     bos, eos, add_bos=True, chat_template=chat_template, special=special)

@@ -1,0 +1,54 @@
+"""Tiny checkpoints in Hugging Face layout, written with safetensors alone (no torch needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from safetensors.numpy import save_file
+
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "vocab_size": 512, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "hidden_act": "relu",
+              "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def tiny_llama_tensors(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    d, f = config["hidden_size"], config["intermediate_size"]
+    kv = d // config["num_attention_heads"] * config["num_key_value_heads"]
+    tensors = {"model.embed_tokens.weight": rng.standard_normal((config["vocab_size"], d)),
+               "model.norm.weight": np.ones(d)}
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        shapes = {"self_attn.q_proj": (d, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
+                  "self_attn.o_proj": (d, d), "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d),
+                  "mlp.down_proj": (d, f)}
+        tensors.update({p + k + ".weight": rng.standard_normal(s) / np.sqrt(s[1]) for k, s in shapes.items()})
+        tensors[p + "input_layernorm.weight"] = np.ones(d)
+        tensors[p + "post_attention_layernorm.weight"] = np.ones(d)
+    return {k: v.astype(np.float32) for k, v in tensors.items()}
+
+
+def write_tiny_llama(folder: Path, config: dict | None = None, shards: int = 1, tokenizer: Path | None = None) -> Path:
+    """A tiny ReLU Llama; `shards` > 1 writes a sharded checkpoint with its index; `tokenizer` is a
+    SentencePiece model copied in as tokenizer.model."""
+    config = config or TINY_LLAMA
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = tiny_llama_tensors(config)
+    names = sorted(tensors)
+    if shards == 1:
+        save_file(tensors, str(folder / "model.safetensors"))
+    else:
+        weight_map = {}
+        for s in range(shards):
+            file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            part = {n: tensors[n] for n in names[s::shards]}
+            save_file(part, str(folder / file))
+            weight_map.update({n: file for n in part})
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    if tokenizer is not None:
+        (folder / "tokenizer.model").write_bytes(tokenizer.read_bytes())
+    return folder
