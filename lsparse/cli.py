@@ -78,6 +78,37 @@ def inspect(
         print_summary(summary)
 
 
+@app.command()
+def stats(
+    model: str = typer.Argument(..., help="A checkpoint (builtin:NAME, folder, repo id, llama2.c file)."),
+    text: str = typer.Option(..., "--text", help="Real text to measure on (TinyStories-style files: stories "
+                                                 "separated by <|endoftext|>)."),
+    tokens: int = typer.Option(4096, "--tokens", min=16, help="Tokens of the text to use."),
+    window: int = typer.Option(512, "--window", min=2, help="Longest sequence run at once."),
+    levels: str = typer.Option("0.25,0.5,0.7", "--levels",
+                               help="Shares of activations to zero by magnitude, for the perplexity sweep."),
+    mask_sparsity: float = typer.Option(0.5, "--mask-sparsity",
+                                        help="For SwiGLU models: the magnitude quantile below which a neuron "
+                                             "counts as inactive in the window and hot/cold figures."),
+    plot: Optional[str] = typer.Option(None, "--plot", help="Write a PNG of window growth per layer here."),
+    backend: Optional[str] = typer.Option(None, "--backend", help="numpy or mlx."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+):
+    """Activation statistics on real text: sparsity, window growth, hot-neuron coverage, threshold cost."""
+    from lsparse.calibrate.stats import compute_stats, plot_window_growth, print_stats
+    try:
+        level_values = tuple(float(v) for v in levels.split(","))
+    except ValueError:
+        raise LsparseError(f"--levels must be comma-separated numbers, got {levels!r}") from None
+    result = compute_stats(model, text, tokens, window, level_values, mask_sparsity, backend)
+    if plot:
+        plot_window_growth(result, plot)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        print_stats(result)
+
+
 @app.command(name="compile")
 def compile_(source: str = typer.Argument(...), output: str = typer.Option(..., "--output", "-o")):
     """Compile a checkpoint into a flash image (to come: issue #4)."""

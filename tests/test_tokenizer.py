@@ -55,8 +55,9 @@ def test_gpt2_matches_transformers(tmp_path):
 
 
 def test_tokenizer_json_round_trip_and_post_processor_bos(tmp_path):
-    from tokenizers import processors
-    hf = byte_level_bpe(shared_file("gpt2-bpe/encoder.json"), shared_file("gpt2-bpe/vocab.bpe"))
+    from tokenizers import models, processors
+    hf = byte_level_bpe(*models.BPE.read_file(str(shared_file("gpt2-bpe/encoder.json")),
+                                              str(shared_file("gpt2-bpe/vocab.bpe"))))
     hf.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
                                                       special_tokens=[("<|endoftext|>", 50256)])
     hf.add_special_tokens(["<|endoftext|>"])

@@ -42,12 +42,14 @@ class Model:
         length = max_len or self.context_length
         return [KVCache(self.xp, n_kv, length, head_dim) for _ in self.layers]
 
-    def __call__(self, tokens, cache: list[KVCache]):
-        """Logits (T, vocab) for `tokens` placed after what the cache already holds."""
+    def __call__(self, tokens, cache: list[KVCache], ffn_fns: list | None = None):
+        """Logits (T, vocab) for `tokens` placed after what the cache already holds. `ffn_fns`, one per
+        layer, replace the dense FFN (to record or alter activations)."""
         positions = np.arange(cache[0].offset, cache[0].offset + len(tokens))
         h = self.arch.embed(self.args, self.globals, np.asarray(tokens), positions, self.xp)
-        for w, c in zip(self.layers, cache, strict=True):
-            h = self.arch.block(self.args, w, h, c, positions, self.xp)
+        for i, (w, c) in enumerate(zip(self.layers, cache, strict=True)):
+            ffn_fn = self.arch.ffn if ffn_fns is None else ffn_fns[i]
+            h = self.arch.block(self.args, w, h, c, positions, self.xp, ffn_fn)
         return self.arch.head(self.args, self.globals, h, self.xp)
 
 

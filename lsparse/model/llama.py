@@ -114,14 +114,23 @@ def attention_block(args: ModelArgs, w: dict, x, cache, positions, xp):
     return linear(out, w["o"], w.get("o_bias"))
 
 
-def ffn(args: ModelArgs, w: dict, x, xp):
+def ffn_activation(args: ModelArgs, w: dict, x, xp):
+    """Each neuron's coefficient on its down column; where it is zero the neuron's rows are not needed."""
     gate_act, relu_up = ACTIVATIONS[args.hidden_act]
     gate = linear(x, w["gate"])
     gate = relu(gate, xp) if gate_act == "relu" else silu(gate, xp)
     up = linear(x, w["up"])
     if relu_up:
         up = relu(up, xp)
-    return linear(gate * up, w["down"])
+    return gate * up
+
+
+def ffn_down(args: ModelArgs, w: dict, a, xp):
+    return linear(a, w["down"])
+
+
+def ffn(args: ModelArgs, w: dict, x, xp):
+    return ffn_down(args, w, ffn_activation(args, w, x, xp), xp)
 
 
 def block(args: ModelArgs, w: dict, x, cache, positions, xp, ffn_fn=ffn):

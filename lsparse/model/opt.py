@@ -95,8 +95,17 @@ def attention_block(args: ModelArgs, w: dict, x, cache, positions, xp):
     return linear(attention(q, k, v, cache, positions, h ** -0.5, xp), w["o"], w.get("o_bias"))
 
 
+def ffn_activation(args: ModelArgs, w: dict, x, xp):
+    """Each neuron's coefficient on its fc2 column; where it is zero the neuron's weights are not needed."""
+    return relu(linear(x, w["up"], w.get("up_bias")), xp)
+
+
+def ffn_down(args: ModelArgs, w: dict, a, xp):
+    return linear(a, w["down"], w.get("down_bias"))
+
+
 def ffn(args: ModelArgs, w: dict, x, xp):
-    return linear(relu(linear(x, w["up"], w.get("up_bias")), xp), w["down"], w.get("down_bias"))
+    return ffn_down(args, w, ffn_activation(args, w, x, xp), xp)
 
 
 def block(args: ModelArgs, w: dict, x, cache, positions, xp, ffn_fn=ffn):

@@ -8,6 +8,7 @@ from pathlib import Path
 from lsparse.errors import LsparseError
 from lsparse.source.builtin import builtin_folder
 from lsparse.source.checkpoint import Checkpoint
+from lsparse.source.gguf_checkpoint import open_gguf
 from lsparse.source.hf import download, open_folder
 from lsparse.source.llama2c import open_llama2c, read_header
 
@@ -15,7 +16,7 @@ REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 def resolve(spec: str, revision: str | None = None, tokenizer: str | None = None) -> Checkpoint:
-    """`builtin:NAME`, a local folder in Hugging Face layout, a llama2.c file, or a Hub repo id."""
+    """`builtin:NAME`, a local folder in Hugging Face layout, a GGUF file, a llama2.c file, or a Hub repo id."""
     if spec.startswith("builtin:"):
         return open_folder(builtin_folder(spec.removeprefix("builtin:")))
     path = Path(spec).expanduser()
@@ -23,7 +24,7 @@ def resolve(spec: str, revision: str | None = None, tokenizer: str | None = None
         return open_folder(path)
     if path.is_file():
         if path.suffix == ".gguf":
-            raise LsparseError(f"{path}: GGUF checkpoints are not supported yet")
+            return open_gguf(path)
         if read_header(path) is not None:
             return open_llama2c(path, Path(tokenizer) if tokenizer else None)
         raise LsparseError(f"{path}: not a checkpoint lsparse reads (a Hugging Face folder, a llama2.c .bin "

@@ -30,6 +30,13 @@ class Checkpoint:
     location: str
 
 
+def interleaved_to_half_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Reorder the rows of a q or k projection made for RoPE on adjacent pairs (2j, 2j+1), as llama2.c and
+    GGUF store them, into the Hugging Face convention (j, j + head_dim/2), so that one RoPE serves all."""
+    out_dim = w.shape[0]
+    return w.reshape(n_heads, out_dim // n_heads // 2, 2, -1).transpose(0, 2, 1, 3).reshape(w.shape)
+
+
 def read_json(path: Path) -> dict:
     try:
         with open(path, encoding="utf-8") as f:

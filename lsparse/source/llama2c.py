@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from lsparse.errors import LsparseError
-from lsparse.source.checkpoint import Checkpoint
+from lsparse.source.checkpoint import Checkpoint, interleaved_to_half_rope
 
 HEADER_BYTES = 7 * 4
 
@@ -36,13 +36,6 @@ def _layout(dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len, shared):
     if not shared:
         layout.append(("lm_head.weight", (vocab, dim)))
     return layout
-
-
-def _permute_for_hf_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """llama2.c rotates adjacent pairs (2j, 2j+1); HF Llama rotates (j, j + head/2). Reorder q/k rows so
-    that one RoPE implementation serves both, as transformers' own llama conversion does."""
-    out_dim, in_dim = w.shape
-    return w.reshape(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(0, 2, 1, 3).reshape(out_dim, in_dim)
 
 
 class Llama2cStore:
@@ -72,7 +65,7 @@ class Llama2cStore:
         w = np.array(self._map[offset: offset + int(np.prod(shape))]).reshape(shape)
         for proj, heads in self._heads.items():
             if f".{proj}." in name:
-                w = _permute_for_hf_rope(w, heads)
+                w = interleaved_to_half_rope(w, heads)
         return w
 
 

@@ -76,38 +76,49 @@ def from_folder(folder: Path, config: dict) -> Tokenizer | None:
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise LsparseError(f"{folder / 'tokenizer.json'}: not a readable tokenizer ({e})") from None
         # tokenizer.json's post-processor decides whether BOS is added, as in transformers.
-        add_bos = False
-        encode_fn = lambda text: hf.encode(text, add_special_tokens=True).ids  # noqa: E731
-    elif (folder / "vocab.json").exists() and (folder / "merges.txt").exists():
-        hf = byte_level_bpe(folder / "vocab.json", folder / "merges.txt")
-        hf.add_special_tokens([t for t in special.values()])
-        add_bos = bool(tok_config.get("add_bos_token", True))
-        encode_fn = lambda text: hf.encode(text, add_special_tokens=False).ids  # noqa: E731
-    elif (folder / "tokenizer.model").exists():
+        return wrap_hf(hf, config, special, chat_template, add_bos=False, post_processor_adds=True)
+    if (folder / "vocab.json").exists() and (folder / "merges.txt").exists():
+        from tokenizers import models
+        try:
+            vocab, merges = models.BPE.read_file(str(folder / "vocab.json"), str(folder / "merges.txt"))
+        except Exception as e:
+            raise LsparseError(f"{folder}: unreadable vocab.json/merges.txt ({e})") from None
+        hf = byte_level_bpe(vocab, merges, specials=list(special.values()))
+        return wrap_hf(hf, config, special, chat_template, add_bos=bool(tok_config.get("add_bos_token", True)))
+    if (folder / "tokenizer.model").exists():
         return sentencepiece(folder / "tokenizer.model", chat_template=chat_template)
-    else:
-        return None
+    return None
 
+
+def wrap_hf(hf, config: dict, special: dict, chat_template: str | None, add_bos: bool,
+            post_processor_adds: bool = False) -> Tokenizer:
+    """A `tokenizers.Tokenizer` with the special tokens a config names."""
     def token_id(text):
         return hf.token_to_id(text) if text else None
 
     bos_id = config.get("bos_token_id", token_id(special.get("bos_token")))
     eos = config.get("eos_token_id", token_id(special.get("eos_token")))
     eos_ids = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
-    return Tokenizer(encode_fn, lambda ids: hf.decode(ids, skip_special_tokens=True),
-                     hf.get_vocab_size(), bos_id, eos_ids, add_bos, chat_template, special)
+
+    def encode(text):
+        return hf.encode(text, add_special_tokens=post_processor_adds).ids
+
+    return Tokenizer(encode, lambda ids: hf.decode(ids, skip_special_tokens=True), hf.get_vocab_size(),
+                     bos_id, eos_ids, add_bos, chat_template, special)
 
 
-def byte_level_bpe(vocab: Path, merges: Path):
-    """GPT-2's byte-level BPE (also OPT's) from its two files."""
+def byte_level_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], specials: list[str] = (),
+                   digits_apart: bool = False):
+    """GPT-2's byte-level BPE (also OPT's and SmolLM2's); `digits_apart` splits numbers into single digits
+    first, as SmolLM2's tokenizer does."""
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers
-    try:
-        hf = HFTokenizer(models.BPE.from_file(str(vocab), str(merges)))
-    except Exception as e:
-        raise LsparseError(f"{vocab.parent}: unreadable vocab.json/merges.txt ({e})") from None
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf = HFTokenizer(models.BPE(vocab, merges))
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    hf.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+                        if digits_apart else byte_level)
     hf.decoder = decoders.ByteLevel()
+    hf.add_special_tokens(list(specials))
     return hf
 
 

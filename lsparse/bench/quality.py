@@ -1,0 +1,43 @@
+"""Perplexity on held-out text, the quality figure every mode is reported with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from lsparse.errors import LsparseError
+from lsparse.model.backend import to_numpy
+
+DOCUMENT_SEPARATOR = "<|endoftext|>"  # TinyStories' separator; other files are one document
+
+
+def read_documents(path: Path) -> list[str]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise LsparseError(f"{path}: cannot read text ({e})") from None
+    return [d.strip() for d in text.split(DOCUMENT_SEPARATOR) if d.strip()]
+
+
+def token_windows(tokenizer, documents: list[str], window: int) -> list[list[int]]:
+    """Each document encoded (with BOS where the tokenizer adds one) and cut into windows of at most
+    `window` tokens; every window after the first starts without BOS, as in llama.cpp's perplexity."""
+    windows = []
+    for doc in documents:
+        ids = tokenizer.encode(doc)
+        windows += [ids[i:i + window] for i in range(0, len(ids), window) if len(ids[i:i + window]) > 1]
+    return windows
+
+
+def negative_log_likelihoods(model, tokens: list[int], ffn_fns: list | None = None) -> np.ndarray:
+    """-log p(token[i+1] | tokens[:i+1]) for each position, in one prefill; `ffn_fns` as in Model.__call__."""
+    logits = to_numpy(model(tokens, model.make_cache(len(tokens)), ffn_fns)).astype(np.float64)[:-1]
+    logits -= logits.max(axis=-1, keepdims=True)
+    log_z = np.log(np.exp(logits).sum(axis=-1))
+    return log_z - logits[np.arange(len(tokens) - 1), tokens[1:]]
+
+
+def perplexity(model, windows: list[list[int]], ffn_fns: list | None = None) -> float:
+    nll = np.concatenate([negative_log_likelihoods(model, w, ffn_fns) for w in windows])
+    return float(np.exp(nll.mean()))
