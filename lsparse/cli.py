@@ -64,18 +64,25 @@ def run(
 
 @app.command()
 def inspect(
-    model: str = typer.Argument(..., help="A checkpoint (builtin:NAME, folder, repo id, llama2.c file)."),
+    model: str = typer.Argument(..., help="An image, or a checkpoint (builtin:NAME, folder, repo id, GGUF, "
+                                          "llama2.c file)."),
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
-    """Describe a checkpoint: architecture, dimensions and where its weights are. (Images: to come.)"""
-    from lsparse.model.summary import describe, print_summary
-    from lsparse.source import resolve
-    summary = describe(resolve(model, revision))
+    """Describe an image (components, sparsity, hot set, predictors, layout) or a checkpoint."""
+    from pathlib import Path
+    if (Path(model) / "manifest.json").exists():
+        from lsparse.image.inspect import describe_image, print_image
+        summary = describe_image(model)
+        show = print_image
+    else:
+        from lsparse.model.summary import describe, print_summary
+        from lsparse.source import resolve
+        summary, show = describe(resolve(model, revision)), print_summary
     if as_json:
         typer.echo(json.dumps(summary, indent=2))
     else:
-        print_summary(summary)
+        show(summary)
 
 
 @app.command()
@@ -110,9 +117,50 @@ def stats(
 
 
 @app.command(name="compile")
-def compile_(source: str = typer.Argument(...), output: str = typer.Option(..., "--output", "-o")):
-    """Compile a checkpoint into a flash image (to come: issue #4)."""
-    _not_yet("lsparse compile", 4)
+def compile_(
+    source: str = typer.Argument(..., help="A checkpoint: builtin:NAME, a Hugging Face folder or repo id, a GGUF "
+                                           "or llama2.c file."),
+    output: str = typer.Option(..., "--output", "-o", help="The image directory to write."),
+    calib: Optional[str] = typer.Option(None, "--calib", help="Calibration text (default: lsparse's stories)."),
+    calib_tokens: int = typer.Option(8192, "--calib-tokens", min=1, help="Calibration tokens to use."),
+    bits: int = typer.Option(4, "--bits", help="Bundle precision: 4, 8 or 16."),
+    group_size: int = typer.Option(64, "--group-size", help="Quantization group (MLX: 32, 64, 128)."),
+    hot_fraction: float = typer.Option(0.1, "--hot-fraction", min=0.0, max=1.0,
+                                       help="Share of each layer's neurons pinned in RAM."),
+    predictor: str = typer.Option("lowrank", "--predictor", help="exact, svd or lowrank."),
+    rank: int = typer.Option(32, "--rank", min=1, help="Predictor rank of the first layer (2x at the last)."),
+    recall: float = typer.Option(0.99, "--recall", min=0.5, max=1.0, help="Recall the predictor threshold aims at."),
+    threshold_sparsity: float = typer.Option(0.5, "--threshold-sparsity", min=0.0, max=0.99,
+                                             help="SwiGLU models: share of activations cut by magnitude."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing image."),
+):
+    """Calibrate a checkpoint layer by layer and write its flash image."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from lsparse.image.compile import CompileOptions, compile_image
+    options = CompileOptions(calib_tokens=calib_tokens, bits=bits, group_size=group_size,
+                             hot_fraction=hot_fraction, predictor=predictor, rank=rank, recall=recall,
+                             threshold_sparsity=threshold_sparsity, force=force)
+    if calib:
+        options.calib = calib
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("calibrating and writing layers", total=None)
+        manifest = compile_image(source, output, options,
+                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
+    from lsparse.image.inspect import describe_image, print_image
+    print_image(describe_image(output, manifest))
+
+
+@app.command()
+def verify(image: str = typer.Argument(..., help="An image directory.")):
+    """Check every file and neuron region of an image against its manifest's checksums."""
+    from lsparse.image.format import verify as verify_image
+    problems = verify_image(image)
+    if problems:
+        raise LsparseError(f"{image} is damaged: " + "; ".join(problems))
+    typer.echo(f"{image}: every file and neuron region matches its checksum")
 
 
 @app.command()

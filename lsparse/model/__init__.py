@@ -53,23 +53,26 @@ class Model:
         return self.arch.head(self.args, self.globals, h, self.xp)
 
 
-def _load(tensors, names: dict[str, str], xp) -> dict:
-    return {short: xp.array(np.ascontiguousarray(tensors.get(name))) for short, name in names.items()}
+def _load(checkpoint: Checkpoint, names: dict[str, str], xp) -> dict:
+    available = set(checkpoint.tensors.names())
+    missing = sorted(n for n in names.values() if n not in available)
+    if missing:
+        raise LsparseError(f"{checkpoint.location}: tensor {missing[0]} is missing from the checkpoint")
+    return {short: xp.array(np.ascontiguousarray(checkpoint.tensors.get(name))) for short, name in names.items()}
+
+
+def load_layer(checkpoint: Checkpoint, arch, args, i: int, xp=np) -> dict:
+    """One block's weights: calibration holds one layer at a time, never the whole model."""
+    return _load(checkpoint, arch.layer_tensor_names(args, i, set(checkpoint.tensors.names())), xp)
+
+
+def load_globals(checkpoint: Checkpoint, arch, args, xp=np) -> dict:
+    """Embedding, final norm and head."""
+    return _load(checkpoint, arch.global_tensor_names(args, set(checkpoint.tensors.names())), xp)
 
 
 def load_model(checkpoint: Checkpoint, backend: str | None = None) -> Model:
     xp = array_module(backend or default_backend())
     arch, args = architecture(checkpoint.config)
-    available = set(checkpoint.tensors.names())
-    layers = []
-    for i in range(args.num_hidden_layers):
-        names = arch.layer_tensor_names(args, i, available)
-        missing = sorted(n for n in names.values() if n not in available)
-        if missing:
-            raise LsparseError(f"{checkpoint.location}: tensor {missing[0]} is missing from the checkpoint")
-        layers.append(_load(checkpoint.tensors, names, xp))
-    g_names = arch.global_tensor_names(args, available)
-    missing = sorted(n for n in g_names.values() if n not in available)
-    if missing:
-        raise LsparseError(f"{checkpoint.location}: tensor {missing[0]} is missing from the checkpoint")
-    return Model(arch, args, _load(checkpoint.tensors, g_names, xp), layers, xp)
+    layers = [load_layer(checkpoint, arch, args, i, xp) for i in range(args.num_hidden_layers)]
+    return Model(arch, args, load_globals(checkpoint, arch, args, xp), layers, xp)

@@ -21,6 +21,10 @@ from lsparse.model.layers import (
 ACTIVATIONS = {"relu": ("relu", False), "silu": ("silu", False), "swish": ("silu", False),
                "drelu": ("relu", True)}
 ROPE_TYPES = ("default", "linear", "llama3")
+# A neuron's rows on flash, in file order; exact mode computes the resident gate and reads the first two.
+BUNDLE = ("up", "down", "gate")
+EXACT_PREFIX = 2
+EXACT_PROJECTION = "gate"
 
 
 @dataclass

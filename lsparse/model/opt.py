@@ -10,6 +10,10 @@ from lsparse.model.layers import attention, layer_norm, linear, relu, split_head
 
 POSITION_OFFSET = 2  # OPT's learned position table starts with two unused rows
 ACTIVATIONS = ("relu",)
+# A neuron's rows on flash, in file order; exact mode computes the resident fc1 and reads only fc2's column.
+BUNDLE = ("down", "up")
+EXACT_PREFIX = 1
+EXACT_PROJECTION = "up"
 
 
 @dataclass

@@ -3,6 +3,8 @@ and SentencePiece models (llama2.c's stories models)."""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 from lsparse.errors import LsparseError
@@ -13,9 +15,11 @@ class Tokenizer:
     """encode/decode plus the special tokens and chat template that generation needs."""
 
     def __init__(self, encode_fn, decode_fn, vocab_size: int, bos_id: int | None, eos_ids: set[int],
-                 add_bos: bool, chat_template: str | None = None, special: dict[str, str] | None = None):
+                 add_bos: bool, chat_template: str | None = None, special: dict[str, str] | None = None,
+                 save_fn=None):
         self._encode = encode_fn
         self._decode = decode_fn
+        self._save = save_fn
         self.vocab_size = vocab_size
         self.bos_id = bos_id
         self.eos_ids = eos_ids
@@ -31,6 +35,14 @@ class Tokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._decode(list(ids))
+
+    def save(self, folder: Path) -> None:
+        """Write the tokenizer into a folder that `from_folder` reads back (a compiled image carries one)."""
+        self._save(folder)
+        config = {**self.special, "add_bos_token": self.add_bos}
+        if self.chat_template is not None:
+            config["chat_template"] = self.chat_template
+        (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         if self.chat_template is None:
@@ -75,8 +87,10 @@ def from_folder(folder: Path, config: dict) -> Tokenizer | None:
             hf = HFTokenizer.from_file(str(folder / "tokenizer.json"))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise LsparseError(f"{folder / 'tokenizer.json'}: not a readable tokenizer ({e})") from None
-        # tokenizer.json's post-processor decides whether BOS is added, as in transformers.
-        return wrap_hf(hf, config, special, chat_template, add_bos=False, post_processor_adds=True)
+        # tokenizer.json's post-processor adds BOS where the model wants one, as in transformers; an
+        # add_bos_token in tokenizer_config.json adds it where the post-processor does not.
+        return wrap_hf(hf, config, special, chat_template, add_bos=bool(tok_config.get("add_bos_token", False)),
+                       post_processor_adds=True)
     if (folder / "vocab.json").exists() and (folder / "merges.txt").exists():
         from tokenizers import models
         try:
@@ -104,7 +118,8 @@ def wrap_hf(hf, config: dict, special: dict, chat_template: str | None, add_bos:
         return hf.encode(text, add_special_tokens=post_processor_adds).ids
 
     return Tokenizer(encode, lambda ids: hf.decode(ids, skip_special_tokens=True), hf.get_vocab_size(),
-                     bos_id, eos_ids, add_bos, chat_template, special)
+                     bos_id, eos_ids, add_bos, chat_template, special,
+                     save_fn=lambda folder: hf.save(str(folder / "tokenizer.json")))
 
 
 def byte_level_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], specials: list[str] = (),
@@ -133,4 +148,5 @@ def sentencepiece(path: Path, chat_template: str | None = None) -> Tokenizer:
     special = {"bos_token": sp.id_to_piece(bos) if bos is not None else "",
                "eos_token": sp.id_to_piece(sp.eos_id()) if eos else ""}
     return Tokenizer(lambda text: sp.encode(text), lambda ids: sp.decode(ids), sp.get_piece_size(),
-                     bos, eos, add_bos=True, chat_template=chat_template, special=special)
+                     bos, eos, add_bos=True, chat_template=chat_template, special=special,
+                     save_fn=lambda folder: shutil.copyfile(path, folder / "tokenizer.model"))

@@ -1,0 +1,71 @@
+"""Reading and checking an image's manifest and files (docs/IMAGE_FORMAT.md)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from lsparse.errors import LsparseError
+
+FORMAT = "lsparse-image"
+VERSION = 1
+MANIFEST = "manifest.json"
+NEURONS = "neurons.bin"
+
+
+def sha256_file(path: Path, start: int = 0, size: int | None = None) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = size if size is not None else float("inf")
+        while left > 0:
+            chunk = f.read(int(min(left, 1 << 22)))
+            if not chunk:
+                break
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+def load_manifest(image: Path) -> dict:
+    path = Path(image) / MANIFEST
+    if not Path(image).is_dir():
+        raise LsparseError(f"{image}: no such image (an image is a directory made by lsparse compile)")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise LsparseError(f"{image}: not an lsparse image (no {MANIFEST})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise LsparseError(f"{path}: malformed manifest ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise LsparseError(f"{image}: not an lsparse image (format is {manifest.get('format')!r})")
+    if manifest.get("version") != VERSION:
+        raise LsparseError(f"{image}: image format version {manifest.get('version')!r} is not supported "
+                           f"(this lsparse reads version {VERSION}); recompile it")
+    return manifest
+
+
+def verify(image: Path) -> list[str]:
+    """Every problem found: missing, truncated or altered files and neuron regions. Empty when intact."""
+    image = Path(image)
+    manifest = load_manifest(image)
+    problems = []
+    for name, info in manifest["files"].items():
+        path = image / name
+        if not path.exists():
+            problems.append(f"{name}: missing")
+        elif path.stat().st_size != info["size"]:
+            problems.append(f"{name}: {path.stat().st_size} bytes, expected {info['size']} (truncated or altered)")
+        elif sha256_file(path) != info["sha256"]:
+            problems.append(f"{name}: checksum mismatch (altered)")
+    neurons = image / NEURONS
+    if neurons.exists():
+        size = neurons.stat().st_size
+        for layer in manifest["layers"]:
+            r = layer["region"]
+            if r["offset"] + r["size"] > size:
+                problems.append(f"layer {layer['index']}: neuron region ends past the end of {NEURONS}")
+            elif sha256_file(neurons, r["offset"], r["size"]) != r["sha256"]:
+                problems.append(f"layer {layer['index']}: neuron region checksum mismatch")
+    return problems

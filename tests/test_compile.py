@@ -1,0 +1,182 @@
+"""lsparse compile: quantization, bundles, layout, predictors, the image format, and damaged images."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from lsparse.calibrate.layout import coactivation_order, read_stats
+from lsparse.errors import LsparseError
+from lsparse.image import compile as compile_module
+from lsparse.image.bundles import decode_bundles, encode_bundles
+from lsparse.image.compile import CompileOptions, compile_image
+from lsparse.image.format import verify
+from lsparse.image.quantize import dequantize_rows, quantize_rows
+from lsparse.source import resolve
+from lsparse.source.safetensors_store import SafetensorsFile
+from tests.conftest import shared_file
+from tests.models import TINY_LLAMA, write_tiny_llama, write_tiny_opt
+from tests.test_sources import lsparse
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group_size", [32, 64])
+def test_quantized_rows_match_mlx_and_bound_the_error(bits, group_size):
+    import mlx.core as mx
+    w = np.random.default_rng(bits).standard_normal((7, 128)).astype(np.float32)
+    got = dequantize_rows(quantize_rows(w, bits, group_size), 128, bits, group_size)
+    q = mx.quantize(mx.array(w.astype(np.float16)), group_size=group_size, bits=bits)
+    ref = np.array(mx.dequantize(*q, group_size=group_size, bits=bits).astype(mx.float32))
+    np.testing.assert_allclose(got, ref, atol=2e-3 * np.abs(ref).max())  # MLX rounds its result to fp16
+    # within one step of each group's grid (MLX moves the grid so that zero is on it, so not always half a step)
+    step = np.abs(np.array(q[1].astype(mx.float32)))
+    assert (np.abs(got - w).reshape(7, -1, group_size) <= step[..., None] * 1.01 + 2e-3).all()
+
+
+def test_fp16_rows_round_trip_exactly():
+    w = np.random.default_rng(0).standard_normal((3, 64)).astype(np.float16).astype(np.float32)
+    np.testing.assert_array_equal(dequantize_rows(quantize_rows(w, 16), 64, 16), w)
+
+
+def test_bundles_hold_each_neurons_rows_and_column():
+    rng = np.random.default_rng(0)
+    w = {"gate": rng.standard_normal((10, 64)), "up": rng.standard_normal((10, 64)),
+         "down": rng.standard_normal((64, 10))}
+    neurons = np.array([7, 2, 5])
+    data = encode_bundles(w, ("up", "down", "gate"), neurons, 16, 64)
+    assert data.shape == (3, 384) and data.shape[1] % 64 == 0
+    rows = decode_bundles(data, ("up", "down", "gate"), 64, 16, 64)
+    np.testing.assert_allclose(rows["down"], w["down"][:, neurons].T, atol=1e-2)
+    np.testing.assert_allclose(rows["gate"], w["gate"][neurons], atol=1e-2)
+
+
+def test_coactivation_order_needs_fewer_reads_than_natural_order():
+    """Neurons that fire in groups, scattered over the ids: the chain puts each group together."""
+    rng = np.random.default_rng(0)
+    groups = rng.permutation(256).reshape(32, 8)
+    active = np.zeros((400, 256), dtype=bool)
+    for t in range(400):
+        for g in rng.choice(32, 3, replace=False):
+            active[t, groups[g]] = True
+    train, held = active[:300], active[300:]
+    natural = np.arange(256)
+    placed = np.empty(256, dtype=int)
+    placed[coactivation_order(train)] = np.arange(256)
+    before, after = read_stats(held, natural, 512, 0), read_stats(held, placed, 512, 0)
+    assert after["reads_per_token"] < before["reads_per_token"] / 4
+    assert after["mean_read_bytes"] > 4 * before["mean_read_bytes"]
+    assert after["bytes_read_per_token"] == before["bytes_read_per_token"]  # no gaps read: same bytes
+
+
+@pytest.fixture(scope="module")
+def tiny_relu_llama(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("relu") / "llama"
+    return write_tiny_llama(folder, {**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 256},
+                            tokenizer=shared_file("stories260K/tok512.model"))
+
+
+def options(**kw):
+    base = dict(calib=shared_file("tinystories/validation_100.txt"), calib_tokens=1024, window=128, bits=16,
+                predictor="svd", rank=8)
+    return CompileOptions(**{**base, **kw})
+
+
+def test_compile_tiny_relu_llama_then_verify_and_inspect(tiny_relu_llama, tmp_path):
+    image = tmp_path / "image"
+    manifest = compile_image(str(tiny_relu_llama), str(image), options(hot_fraction=0.25))
+    assert verify(image) == []
+    checkpoint = resolve(str(tiny_relu_llama))
+    for layer in manifest["layers"]:
+        assert sorted(layer["hot"] + layer["cold_order"]) == list(range(256))
+        assert len(layer["hot"]) == 64 and layer["region"]["offset"] % 4096 == 0
+        assert layer["activation_threshold"] == 0.0  # ReLU: exact zeros
+        # the hot bundles in RAM are the checkpoint's rows, in fp16
+        hot = SafetensorsFile(image / "resident" / f"layer-{layer['index']:03d}.safetensors").get("hot_bundles")
+        rows = decode_bundles(hot.astype(np.uint8), ("up", "down", "gate"), 64, 16, 64)
+        up = checkpoint.tensors.get(f"model.layers.{layer['index']}.mlp.up_proj.weight")
+        np.testing.assert_allclose(rows["up"], up[layer["hot"]], atol=2e-3)
+        q = layer["predictor"]["quality"]
+        assert 0.9 <= q["recall"] <= 1.0 and 0 < q["precision"] <= 1
+    assert (image / "tokenizer.model").exists() and (image / "tokenizer_config.json").exists()
+    result = lsparse("inspect", str(image), "--json")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert len(summary["layers"]) == 2
+    assert sum(c["share"] for c in summary["components"].values()) == pytest.approx(1.0)
+    assert lsparse("verify", str(image)).returncode == 0
+
+
+def test_compile_tiny_opt_with_exact_gating(tmp_path):
+    folder = write_tiny_opt(tmp_path / "opt", tokenizer=shared_file("stories260K/tok512.model"))
+    manifest = compile_image(str(folder), str(tmp_path / "image"), options(predictor="exact"))
+    assert manifest["bundle"]["components"] == ["down", "up"] and manifest["bundle"]["exact_prefix"] == 1
+    assert all(layer["predictor"]["quality"]["recall"] == 1.0 for layer in manifest["layers"])
+    assert verify(tmp_path / "image") == []
+
+
+@pytest.mark.parametrize("damage,message", [
+    ("truncate", "neurons.bin: .* bytes, expected"),
+    ("flip", "checksum mismatch"),
+    ("version", "version 99 is not supported"),
+    ("manifest", "not an lsparse image"),
+])
+def test_damaged_images_are_refused(tiny_relu_llama, tmp_path, damage, message):
+    image = tmp_path / "image"
+    compile_image(str(tiny_relu_llama), str(image), options())
+    if damage == "truncate":
+        data = (image / "neurons.bin").read_bytes()
+        (image / "neurons.bin").write_bytes(data[:-100])
+    elif damage == "flip":
+        path = image / "resident" / "layer-001.safetensors"
+        data = bytearray(path.read_bytes())
+        data[-5] ^= 0xFF
+        path.write_bytes(bytes(data))
+    elif damage == "version":
+        m = json.loads((image / "manifest.json").read_text())
+        (image / "manifest.json").write_text(json.dumps({**m, "version": 99}))
+    else:
+        (image / "manifest.json").unlink()
+    result = lsparse("verify", str(image))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    import re
+    assert re.search(message, result.stderr), result.stderr
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"bits": 3}, "unsupported bit width 3"),
+    ({"calib_tokens": 100}, "at least 256 are needed"),
+    ({"bits": 4, "group_size": 128}, "need rows of a multiple of 128"),
+])
+def test_bad_compile_input_writes_nothing(tiny_relu_llama, tmp_path, kw, message):
+    with pytest.raises(LsparseError, match=message):
+        compile_image(str(tiny_relu_llama), str(tmp_path / "image"), options(**kw))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_existing_image_needs_force(tiny_relu_llama, tmp_path):
+    compile_image(str(tiny_relu_llama), str(tmp_path / "image"), options())
+    with pytest.raises(LsparseError, match="already exists"):
+        compile_image(str(tiny_relu_llama), str(tmp_path / "image"), options())
+    compile_image(str(tiny_relu_llama), str(tmp_path / "image"), options(force=True))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["image"] and verify(tmp_path / "image") == []
+
+
+@pytest.mark.parametrize("fault", [KeyboardInterrupt(), OSError(errno.ENOSPC, "No space left on device")])
+def test_interrupted_or_full_disk_leaves_nothing(tiny_relu_llama, tmp_path, monkeypatch, fault):
+    real = compile_module._compile_layer
+
+    def failing(cal, *args, **kw):
+        if cal.index == 1:
+            raise fault
+        return real(cal, *args, **kw)
+
+    monkeypatch.setattr(compile_module, "_compile_layer", failing)
+    expected = KeyboardInterrupt if isinstance(fault, KeyboardInterrupt) else LsparseError
+    with pytest.raises(expected, match=None if expected is KeyboardInterrupt else "disk is full"):
+        compile_image(str(tiny_relu_llama), str(tmp_path / "image"), options())
+    assert list(tmp_path.iterdir()) == []
+    shutil.rmtree(tmp_path, ignore_errors=True)
