@@ -37,11 +37,16 @@ def _not_yet(what: str, issue: int):
 
 @app.command()
 def run(
-    model: str = typer.Argument(..., help="Image to run; with --dense, any checkpoint: builtin:NAME, a Hugging "
-                                          "Face folder or repo id, or a llama2.c .bin file."),
+    model: str = typer.Argument(..., help="A flash image, or (dense) any checkpoint: builtin:NAME, a Hugging Face "
+                                          "folder or repo id, a GGUF or llama2.c file."),
     prompt: str = typer.Option("Once upon a time", "--prompt", "-p", help="Prompt text."),
     max_tokens: int = typer.Option(100, "--max-tokens", "-m", min=1, help="Most tokens to generate."),
-    dense: bool = typer.Option(False, "--dense", help="Dense decoding with every weight in RAM (the baseline)."),
+    dense: bool = typer.Option(False, "--dense", help="Every weight in RAM (the baseline)."),
+    mode: Optional[str] = typer.Option(None, "--mode", help="For an image: exact (the gate resident, lossless), "
+                                                            "predicted, or dense. Default: exact."),
+    window: int = typer.Option(5, "--window", min=1, help="Keep the neurons of the last k tokens in RAM."),
+    threshold: float = typer.Option(0.0, "--threshold",
+                                    help="Shift of the predictor's threshold (negative: load more neurons)."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the smallest set with this mass."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
@@ -50,16 +55,23 @@ def run(
     revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit)."),
     tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer file for a llama2.c checkpoint."),
     backend: Optional[str] = typer.Option(None, "--backend",
-                                          help="numpy or mlx (default: mlx with Metal, else numpy)."),
+                                          help="Checkpoints: numpy or mlx (default: mlx with Metal, else numpy)."),
+    buffered: bool = typer.Option(False, "--buffered", help="Read the image through the page cache."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ):
-    """Generate text. Decoding from a flash image is to come; --dense runs any checkpoint."""
-    if not dense:
-        _not_yet("decoding from a flash image", 5)
-    from lsparse.runtime.dense import run_dense
-    run_dense(model, prompt, max_tokens, temp=temp, top_p=top_p, seed=seed,
-              chat=not ignore_chat_template, revision=revision, tokenizer=tokenizer, backend=backend,
-              as_json=as_json)
+    """Generate text from a flash image (exact, predicted or dense) or, with --dense, from any checkpoint."""
+    from lsparse.runtime.run import is_image
+    from lsparse.runtime.run import run as run_model
+    if is_image(model):
+        mode = "dense" if dense and mode is None else (mode or "exact")
+    elif dense:
+        mode = None
+    else:
+        raise LsparseError(f"{model} is not a flash image (lsparse compile makes one); add --dense to decode a "
+                           "checkpoint with every weight in RAM")
+    run_model(model, prompt, max_tokens, mode=mode, window=window, threshold_shift=threshold, temp=temp,
+              top_p=top_p, seed=seed, chat=not ignore_chat_template, revision=revision, tokenizer=tokenizer,
+              backend=backend, as_json=as_json, direct=not buffered)
 
 
 @app.command()

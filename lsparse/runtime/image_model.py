@@ -1,0 +1,274 @@
+"""Decoding from a flash image: resident tensors in RAM, cold neurons paged in per token through a
+sliding-window neuron cache, with an exact count of what each token cost."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from lsparse.calibrate.predictors import predictor_scores
+from lsparse.errors import LsparseError
+from lsparse.image.bundles import decode_bundles
+from lsparse.image.format import NEURONS, load_manifest
+from lsparse.model import Model, architecture
+from lsparse.model.layers import relu, silu
+from lsparse.runtime.reader import DEFAULT_GAP_BYTES, FlashReader, coalesce
+from lsparse.source.safetensors_store import SafetensorsFile
+from lsparse.source.tokenizer import from_folder
+
+MODES = ("exact", "predicted", "dense")
+
+
+@dataclass
+class TokenCost:
+    """What the FFNs cost, summed over layers, for one forward call."""
+    bytes_needed: int = 0
+    bytes_read: int = 0
+    requests: int = 0
+    lookups: int = 0
+    hits: int = 0
+    io_s: float = 0.0
+    mem_s: float = 0.0
+    compute_s: float = 0.0
+
+
+@dataclass
+class CostLog:
+    steps: list = field(default_factory=list)
+
+    def start(self) -> TokenCost:
+        self.steps.append(TokenCost())
+        return self.steps[-1]
+
+
+def _float(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+class NeuronCache:
+    """One layer's cold neurons in RAM: a preallocated slot buffer and a slot table. A neuron stays while one
+    of the last `window` tokens used it (LLM in a Flash's sliding window); freed slots are reused in place."""
+
+    def __init__(self, n_neurons: int, capacity: int, n_rows: int, d_model: int, window: int):
+        self.rows = np.zeros((capacity, n_rows, d_model), dtype=np.float32)
+        self.slot_of = np.full(n_neurons, -1, dtype=np.int64)
+        self.neuron_of = np.full(capacity, -1, dtype=np.int64)
+        self.last_used = np.full(capacity, -(1 << 40), dtype=np.int64)
+        self.window = window
+        self.clock = 0
+
+    def evict_stale(self) -> None:
+        stale = (self.neuron_of >= 0) & (self.last_used <= self.clock - self.window)
+        self.slot_of[self.neuron_of[stale]] = -1
+        self.neuron_of[stale] = -1
+
+    def insert(self, neurons: np.ndarray, rows: np.ndarray) -> None:
+        free = np.flatnonzero(self.neuron_of < 0)
+        if len(free) < len(neurons):  # more than the window holds: the least recently used go
+            used = np.flatnonzero(self.neuron_of >= 0)
+            victims = used[np.argsort(self.last_used[used])][: len(neurons) - len(free)]
+            self.slot_of[self.neuron_of[victims]] = -1
+            self.neuron_of[victims] = -1
+            free = np.flatnonzero(self.neuron_of < 0)
+        slots = free[: len(neurons)]
+        self.rows[slots] = rows
+        self.slot_of[neurons] = slots
+        self.neuron_of[slots] = neurons
+        self.last_used[slots] = self.clock
+
+
+class SparseFFN:
+    """One layer's FFN from the image: hot neurons resident, cold ones read on demand."""
+
+    def __init__(self, arch, args, meta: dict, layer: dict, resident: dict, reader: FlashReader | None,
+                 mode: str, window: int, threshold_shift: float, costs: CostLog, gap_bytes: int):
+        self.arch, self.args, self.mode, self.reader, self.costs = arch, args, mode, reader, costs
+        q, b = meta["quantization"], meta["bundle"]
+        self.components, self.stride, d = tuple(b["components"]), b["stride"], b["d_model"]
+        self.decode = lambda data, comps: decode_bundles(data, comps, d, q["bits"], q["group_size"])
+        self.hot = np.asarray(layer["hot"], dtype=np.int64)
+        hot_rows = self.decode(resident["hot_bundles"], self.components)
+        self.hot_rows = {c: _float(r) for c, r in hot_rows.items()}
+        self.exact_rows = _float(self.decode(resident["exact_rows"], (arch.EXACT_PROJECTION,))[arch.EXACT_PROJECTION])
+        self.bias = {k: _float(resident[k]) for k in ("up_bias", "down_bias") if k in resident}
+        self.threshold = layer["activation_threshold"]
+        d_ff = layer["d_ff"]
+        self.position = np.full(d_ff, -1, dtype=np.int64)  # a cold neuron's bundle index in its region
+        self.position[np.asarray(layer["cold_order"], dtype=np.int64)] = np.arange(len(layer["cold_order"]))
+        self.is_cold = self.position >= 0
+        self.region = layer["region"]["offset"]
+        self.predictor = {k: _float(resident[k]) for k in ("A", "B", "bias", "W1", "W2", "b2") if k in resident}
+        self.kind = meta["predictor"]["kind"]
+        if mode == "exact" and (self.threshold > 0 or getattr(args, "hidden_act", "relu") in ("silu", "swish")):
+            raise LsparseError("exact mode needs a ReLU-family model (its gate decides exactly which neurons are "
+                               "zero); this image is SwiGLU: run it in predicted or dense mode")
+        if mode == "predicted" and self.kind == "exact":
+            raise LsparseError("this image was compiled with --predictor exact: run it in exact or dense mode")
+        if layer["predictor"]["threshold"] is not None:
+            self.predictor_threshold = layer["predictor"]["threshold"] + threshold_shift
+        # exact mode reads the rows ahead of the resident projection; predicted mode reads whole bundles
+        self.read_rows = self.components[: b["exact_prefix"]] if mode == "exact" else self.components
+        self.row_bytes = b["row_bytes"]
+        self.cache = NeuronCache(d_ff, int(self.is_cold.sum()), len(self.read_rows), d, window)
+        self.gap_bytes = gap_bytes
+
+    def _exact_pre(self, x):
+        """The resident projection (gate; OPT: fc1 with bias) for every neuron."""
+        pre = x @ self.exact_rows.T
+        return pre + self.bias["up_bias"] if "up_bias" in self.bias else pre
+
+    def _activation(self, pre, up):
+        """Coefficient on the down column from the gate (or fc1) pre-activation and the up values."""
+        if "gate" not in self.components:  # OPT: relu(fc1 x + b)
+            a = relu(pre, np)
+        else:
+            from lsparse.model.llama import ACTIVATIONS
+            gate_act, relu_up = ACTIVATIONS[self.args.hidden_act]
+            a = (relu(pre, np) if gate_act == "relu" else silu(pre, np)) * (relu(up, np) if relu_up else up)
+        if self.threshold > 0:
+            a = a * (np.abs(a) > self.threshold)
+        return a
+
+    def __call__(self, args, w, x, xp):
+        cost = self.costs.steps[-1]
+        start = time.perf_counter()
+        if self.mode == "exact":
+            pre_all = self._exact_pre(x)
+            active = pre_all > 0
+        else:
+            pre_all = None
+            active = predictor_scores(self.kind, self.predictor, x) > self.predictor_threshold
+        needed = np.flatnonzero(active.any(0) & self.is_cold)
+        compute = time.perf_counter() - start
+
+        start = time.perf_counter()
+        cache = self.cache
+        cache.clock += 1
+        cache.evict_stale()
+        missing = needed[cache.slot_of[needed] < 0]
+        cost.lookups += len(needed)
+        cost.hits += len(needed) - len(missing)
+        io = 0.0
+        if len(missing):
+            prefix = len(self.read_rows) * self.row_bytes
+            runs = coalesce(self.position[missing], self.stride, self.region, self.gap_bytes)
+            # only a bundle's first rows are needed in exact mode: the read ends at the last one's prefix
+            spans = [(off, length - self.stride + prefix) for off, length, _ in runs]
+            try:
+                data, transferred, io = self.reader.read(spans)
+            except OSError as e:
+                raise LsparseError(f"reading neuron bundles failed ({e}); run lsparse verify on the image") from None
+            rows = np.empty((len(missing), self.stride), dtype=np.uint8)
+            order = np.argsort(self.position[missing])
+            k = 0
+            for (_, _, run), chunk in zip(runs, data, strict=True):
+                base = int(run[0])
+                arr = np.frombuffer(chunk, dtype=np.uint8)
+                for p in run:
+                    at = (int(p) - base) * self.stride
+                    rows[k, :prefix] = arr[at:at + prefix]
+                    k += 1
+            decoded = self.decode(rows[:, :prefix], self.read_rows)
+            block = np.stack([decoded[c] for c in self.read_rows], axis=1)
+            cache.insert(missing[order], block)
+            cost.bytes_needed += len(missing) * prefix
+            cost.bytes_read += transferred
+            cost.requests += len(spans)
+        cache.last_used[cache.slot_of[needed]] = cache.clock
+        slots = cache.slot_of[needed]
+        cost.io_s += io
+        cost.mem_s += time.perf_counter() - start - io
+
+        start = time.perf_counter()
+        rows = {c: cache.rows[slots, k] for k, c in enumerate(self.read_rows)}
+        out = self._partial(x, self.hot, self.hot_rows, pre_all) + self._partial(x, needed, rows, pre_all)
+        if "down_bias" in self.bias:
+            out = out + self.bias["down_bias"]
+        cost.compute_s += time.perf_counter() - start + compute
+        return out
+
+    def _partial(self, x, neurons, rows, pre_all):
+        if len(neurons) == 0:
+            return np.zeros((x.shape[0], self.args.hidden_size), dtype=np.float32)
+        if pre_all is not None:
+            pre = pre_all[:, neurons]
+        else:
+            pre = x @ rows[self.arch.EXACT_PROJECTION].T
+            if "up_bias" in self.bias:
+                pre = pre + self.bias["up_bias"][neurons]
+        up = x @ rows["up"].T if "gate" in self.components else None
+        return self._activation(pre, up) @ rows["down"]
+
+
+class ImageModel:
+    """A Model over an image's weights; generation calls it like the dense Model."""
+
+    def __init__(self, model: Model, ffns: list | None, costs: CostLog, meta: dict, reader):
+        self.model, self.ffns, self.costs, self.meta, self.reader = model, ffns, costs, meta, reader
+        self.xp, self.make_cache, self.context_length = model.xp, model.make_cache, model.context_length
+
+    def __call__(self, tokens, cache):
+        self.costs.start()
+        return self.model(tokens, cache, self.ffns)
+
+    def dense_ffn_bytes(self) -> int:
+        """What a dense step reads of the FFN at the image's precision: every bundle of every layer."""
+        return sum(layer["d_ff"] for layer in self.meta["layers"]) * self.meta["bundle"]["stride"]
+
+
+def _resident(path: Path) -> dict:
+    f = SafetensorsFile(path)
+    return {name: (f.get(name) if f.entries[name][0] != "U8" else _raw(f, name)) for name in f.entries}
+
+
+def _raw(f: SafetensorsFile, name: str) -> np.ndarray:
+    _, dtype, shape, begin = f.entries[name]
+    return np.fromfile(f.path, dtype=np.uint8, count=int(np.prod(shape)), offset=f.data_start + begin).reshape(shape)
+
+
+def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: float = 0.0,
+               gap_bytes: int = DEFAULT_GAP_BYTES, direct: bool = True, workers: int = 4):
+    """(ImageModel, tokenizer) for an image, in one of MODES."""
+    if mode not in MODES:
+        raise LsparseError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
+    image = Path(image)
+    meta = load_manifest(image)
+    arch, args = architecture(meta["config"])
+    globals_ = {k: _float(v) for k, v in _resident(image / "resident" / "globals.safetensors").items()}
+    costs = CostLog()
+    reader = FlashReader(image / NEURONS, workers=workers, direct=direct) if mode != "dense" else None
+    layers, ffns = [], []
+    for layer in meta["layers"]:
+        resident = _resident(image / "resident" / f"layer-{layer['index']:03d}.safetensors")
+        weights = {k: _float(v) for k, v in resident.items() if v.dtype != np.uint8 and k not in
+                   ("A", "B", "bias", "W1", "W2", "b2")}
+        if mode == "dense":
+            weights.update(_dense_ffn(image, meta, layer, resident))
+        else:
+            ffns.append(SparseFFN(arch, args, meta, layer, resident, reader, mode, window, threshold_shift, costs,
+                                  gap_bytes))
+        layers.append(weights)
+    model = Model(arch, args, globals_, layers, np)
+    tokenizer = from_folder(image, meta["config"])
+    return ImageModel(model, ffns or None, costs, meta, reader), tokenizer
+
+
+def _dense_ffn(image: Path, meta: dict, layer: dict, resident: dict) -> dict:
+    """Every neuron's rows, in neuron order, at the image's precision (the all-in-RAM baseline)."""
+    q, b = meta["quantization"], meta["bundle"]
+    comps = tuple(b["components"])
+    r = layer["region"]
+    with open(image / NEURONS, "rb") as f:
+        f.seek(r["offset"])
+        cold = np.frombuffer(f.read(r["size"]), dtype=np.uint8).reshape(r["count"], b["stride"])
+    rows = np.concatenate([resident["hot_bundles"], cold])
+    ids = np.concatenate([np.asarray(layer["hot"], dtype=np.int64), np.asarray(layer["cold_order"], dtype=np.int64)])
+    decoded = decode_bundles(rows, comps, b["d_model"], q["bits"], q["group_size"])
+    order = np.argsort(ids)
+    out = {c: _float(decoded[c][order]) for c in comps}
+    out["down"] = np.ascontiguousarray(out["down"].T)
+    out.update({k: _float(resident[k]) for k in ("up_bias", "down_bias") if k in resident})
+    return out

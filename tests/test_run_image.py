@@ -1,0 +1,91 @@
+"""lsparse run on an image: exact mode equals dense, the window bounds what is read, faults end cleanly."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from lsparse.image.compile import CompileOptions, compile_image
+from lsparse.runtime.image_model import load_image
+from tests.conftest import shared_file
+from tests.models import TINY_LLAMA, write_tiny_llama, write_tiny_opt
+from tests.test_sources import lsparse
+
+
+@pytest.fixture(scope="module")
+def relu_image(tmp_path_factory):
+    root = tmp_path_factory.mktemp("run")
+    folder = write_tiny_llama(root / "llama", {**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 256,
+                                               "max_position_embeddings": 512},
+                              tokenizer=shared_file("stories260K/tok512.model"))
+    options = CompileOptions(calib=shared_file("tinystories/validation_100.txt"), calib_tokens=1024, window=128,
+                             bits=8, predictor="svd", rank=16, hot_fraction=0.1)
+    compile_image(str(folder), str(root / "image"), options)
+    return root / "image"
+
+
+def logits(model, tokens):
+    cache = model.make_cache(len(tokens))
+    return np.concatenate([model(tokens[:4], cache)] + [model([t], cache) for t in tokens[4:]])
+
+
+def test_exact_mode_equals_dense_from_the_same_image(relu_image):
+    tokens = list(np.random.default_rng(0).integers(3, 512, 40))
+    exact, _ = load_image(relu_image, "exact")
+    dense, _ = load_image(relu_image, "dense")
+    a, b = logits(exact, tokens), logits(dense, tokens)
+    np.testing.assert_allclose(a, b, atol=1e-4 * np.abs(b).max())
+    assert sum(s.bytes_read for s in exact.costs.steps) > 0  # cold neurons really came from the file
+
+
+def test_exact_greedy_run_matches_dense(relu_image):
+    exact = json.loads(lsparse("run", str(relu_image), "-m", "48", "--json").stdout)
+    dense = json.loads(lsparse("run", str(relu_image), "--dense", "-m", "48", "--json").stdout)
+    assert exact["tokens"] == dense["tokens"] and len(exact["tokens"]) > 0
+    f = exact["flash"]
+    assert 0 < f["bytes_read_per_token"] <= f["dense_ffn_bytes"] and 0 <= f["cache_hit_rate"] <= 1
+
+
+def test_a_larger_window_never_reads_more(relu_image):
+    tokens = list(np.random.default_rng(1).integers(3, 512, 60))
+    read = []
+    for window in (1, 2, 4, 8):
+        model, _ = load_image(relu_image, "exact", window=window)
+        logits(model, tokens)
+        read.append(sum(s.bytes_read for s in model.costs.steps[1:]))
+    assert all(a >= b for a, b in zip(read, read[1:], strict=False)) and read[0] > read[-1]
+
+
+def test_predicted_mode_runs_and_reports(relu_image):
+    result = lsparse("run", str(relu_image), "--mode", "predicted", "-m", "16", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["flash"]["reads_per_token"] >= 0
+
+
+def test_opt_image_exact_equals_dense(tmp_path):
+    folder = write_tiny_opt(tmp_path / "opt", tokenizer=shared_file("stories260K/tok512.model"))
+    options = CompileOptions(calib=shared_file("tinystories/validation_100.txt"), calib_tokens=1024, window=100,
+                             bits=16, predictor="svd", rank=8)
+    compile_image(str(folder), str(tmp_path / "image"), options)
+    tokens = list(np.random.default_rng(2).integers(3, 512, 24))
+    exact, dense = load_image(tmp_path / "image", "exact")[0], load_image(tmp_path / "image", "dense")[0]
+    b = logits(dense, tokens)
+    np.testing.assert_allclose(logits(exact, tokens), b, atol=1e-4 * np.abs(b).max())
+
+
+def test_truncated_neuron_file_is_a_clean_error(relu_image, tmp_path):
+    import shutil
+    damaged = tmp_path / "image"
+    shutil.copytree(relu_image, damaged)
+    data = (damaged / "neurons.bin").read_bytes()
+    (damaged / "neurons.bin").write_bytes(data[: len(data) // 3])
+    result = lsparse("run", str(damaged), "-m", "8")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert "reading neuron bundles failed" in result.stderr
+
+
+def test_a_checkpoint_without_dense_is_refused(tmp_path):
+    result = lsparse("run", str(shared_file("stories260K/stories260K.bin")))
+    assert result.returncode == 1 and "is not a flash image" in result.stderr
