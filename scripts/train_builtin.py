@@ -177,6 +177,28 @@ def sample_teacher(teacher: Llama, batch: int, length: int, gen: torch.Generator
     return tokens
 
 
+@torch.no_grad()
+def init_from_teacher(student: Llama, teacher: Llama) -> None:
+    """ProSparse's starting point: the teacher's weights, with ReLU where it had SiLU. The FFN is widened to
+    d_ff (new neurons start with a zero down column, so they change nothing yet) and layers beyond the
+    teacher's start as identities (zero output projections)."""
+    s, t = student.state_dict(), teacher.state_dict()
+    n = teacher.shape.intermediate_size
+    for name, value in s.items():
+        if name not in t:  # an added layer: leave its attention and FFN outputs at zero
+            if name.endswith(("o_proj.weight", "down_proj.weight")):
+                value.zero_()
+            continue
+        src = t[name]
+        if "down_proj" in name:
+            value.zero_()
+            value[:, :n] = src
+        elif "gate_proj" in name or "up_proj" in name:
+            value[:n] = src
+        else:
+            value.copy_(src)
+
+
 def evaluate(student: Llama, windows: list[list[int]]) -> tuple[float, list[float]]:
     """Perplexity on held-out windows and the per-layer fraction of exactly-zero FFN activations."""
     nll, count, zeros, total = 0.0, 0, None, 0
@@ -196,7 +218,7 @@ def evaluate(student: Llama, windows: list[list[int]]) -> tuple[float, list[floa
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--steps", type=int, default=1800)
+    p.add_argument("--steps", type=int, default=1500)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--d-model", type=int, default=128)
@@ -204,13 +226,16 @@ def main() -> None:
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--ffn-mult", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--l1-init", type=float, default=1e-3, help="first weight of the L1 activation penalty")
-    p.add_argument("--l1-start", type=float, default=0.3, help="share of training before the L1 penalty")
+    p.add_argument("--l1-start", type=float, default=0.15, help="share of training before the L1 penalty")
     p.add_argument("--l1-every", type=int, default=50, help="steps between adjustments of the L1 weight")
     p.add_argument("--target-zero", type=float, default=0.9, help="zero fraction the L1 weight aims at")
     p.add_argument("--sample-batch", type=int, default=256, help="teacher sequences sampled at once")
     p.add_argument("--reuse", type=int, default=2, help="steps that see each sampled sequence")
+    p.add_argument("--init", choices=("teacher", "random"), default="teacher",
+                   help="teacher: start from the teacher's weights with ReLU in place of SiLU (ProSparse's "
+                        "activation substitution), d_ff widened and one identity layer added; random: from scratch")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--eval-every", type=int, default=100)
@@ -220,12 +245,18 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     gen = torch.Generator().manual_seed(args.seed)
     teacher = load_teacher()
+    if args.init == "teacher":
+        t = teacher.shape
+        args.d_model, args.heads, args.kv_heads = t.hidden_size, t.num_attention_heads, t.num_key_value_heads
+        args.layers = max(args.layers, t.num_hidden_layers)
     shape = Shape(args.d_model, args.layers, args.ffn_mult * args.d_model, args.heads, args.kv_heads,
                   teacher.shape.vocab_size, teacher.shape.max_position_embeddings, "relu")
     student = Llama(shape)
     for name, prm in student.named_parameters():
         if prm.dim() == 2:
             nn.init.normal_(prm, std=0.02 if "embed" in name else 1 / math.sqrt(prm.shape[1]))
+    if args.init == "teacher":
+        init_from_teacher(student, teacher)
     opt = torch.optim.AdamW(student.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
 
     from lsparse.bench.quality import read_documents, token_windows

@@ -89,3 +89,42 @@ def test_truncated_neuron_file_is_a_clean_error(relu_image, tmp_path):
 def test_a_checkpoint_without_dense_is_refused(tmp_path):
     result = lsparse("run", str(shared_file("stories260K/stories260K.bin")))
     assert result.returncode == 1 and "is not a flash image" in result.stderr
+
+
+def test_too_small_a_budget_names_the_smallest(relu_image):
+    result = lsparse("run", str(relu_image), "--ram-budget", "10MB", "-m", "4")
+    assert result.returncode == 1 and "the smallest that works is" in result.stderr
+
+
+def test_run_within_its_budget_under_a_memory_cgroup(relu_image):
+    """A hard cap (cgroup v1, root only) equal to the budget: the run must finish and stay under it."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    if os.geteuid() != 0 or not Path("/sys/fs/cgroup/memory").is_dir():
+        pytest.skip("needs root and the cgroup v1 memory controller")
+    memcap = Path(__file__).resolve().parents[1] / "scripts" / "memcap.py"
+    budget = "160MB"
+    result = subprocess.run([sys.executable, str(memcap), budget, "--", sys.executable, "-m", "lsparse.cli", "run",
+                             str(relu_image), "--ram-budget", budget, "-m", "32", "--json"],
+                            capture_output=True, text=True, timeout=300, check=False)
+    report = json.loads(result.stderr.strip().splitlines()[-1])
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["generated_tokens"] > 0 and not report["oom_killed"]
+    assert report["peak_bytes"] <= 160 * 2**20 and out["peak_memory_bytes"] <= 160 * 2**20
+
+
+def test_the_smallest_budget_still_decodes_exactly(relu_image):
+    """With the cache cut to its minimum, neurons are evicted and read again, and nothing changes."""
+    from lsparse.image.format import load_manifest
+    from lsparse.runtime.budget import plan
+    tokens = list(np.random.default_rng(3).integers(3, 512, 40))
+    smallest = plan(load_manifest(relu_image), "exact", len(tokens), None)["smallest_budget"]
+    tight, _ = load_image(relu_image, "exact", window=8, ram_budget=smallest, tokens=len(tokens))
+    roomy, _ = load_image(relu_image, "exact", window=8, tokens=len(tokens))
+    assert sum(tight.memory_plan["cache_slots"]) < sum(roomy.memory_plan["cache_slots"])
+    a, b = logits(tight, tokens), logits(roomy, tokens)
+    np.testing.assert_allclose(a, b, atol=1e-5 * np.abs(b).max())
+    assert sum(s.bytes_read for s in tight.costs.steps) > sum(s.bytes_read for s in roomy.costs.steps)

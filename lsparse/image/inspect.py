@@ -52,7 +52,7 @@ def print_image(summary: dict) -> None:
     from rich.table import Table
 
     console = Console()
-    console.width = max(console.width, 110)
+    console.width = max(console.width, 124)
     q = summary["quantization"]
     console.print(f"[bold]{summary['image']}[/bold]: from {summary['source']}, {q['bits']}-bit bundles "
                   f"(groups of {q['group_size']}), {summary['bundle_stride']} bytes each; predictor "

@@ -67,8 +67,11 @@ class NeuronCache:
 
     def insert(self, neurons: np.ndarray, rows: np.ndarray) -> None:
         free = np.flatnonzero(self.neuron_of < 0)
-        if len(free) < len(neurons):  # more than the window holds: the least recently used go
-            used = np.flatnonzero(self.neuron_of >= 0)
+        if len(free) < len(neurons):  # more than the budget holds: the least recently used go, never this token's
+            used = np.flatnonzero((self.neuron_of >= 0) & (self.last_used < self.clock))
+            if len(free) + len(used) < len(neurons):
+                raise LsparseError(f"a token needs {len(neurons) + len(self.neuron_of) - len(free) - len(used)} "
+                                   f"neurons of a layer whose cache holds {len(self.neuron_of)}: raise --ram-budget")
             victims = used[np.argsort(self.last_used[used])][: len(neurons) - len(free)]
             self.slot_of[self.neuron_of[victims]] = -1
             self.neuron_of[victims] = -1
@@ -84,7 +87,7 @@ class SparseFFN:
     """One layer's FFN from the image: hot neurons resident, cold ones read on demand."""
 
     def __init__(self, arch, args, meta: dict, layer: dict, resident: dict, reader: FlashReader | None,
-                 mode: str, window: int, threshold_shift: float, costs: CostLog, gap_bytes: int):
+                 mode: str, window: int, threshold_shift: float, costs: CostLog, gap_bytes: int, capacity: int):
         self.arch, self.args, self.mode, self.reader, self.costs = arch, args, mode, reader, costs
         q, b = meta["quantization"], meta["bundle"]
         self.components, self.stride, d = tuple(b["components"]), b["stride"], b["d_model"]
@@ -112,7 +115,7 @@ class SparseFFN:
         # exact mode reads the rows ahead of the resident projection; predicted mode reads whole bundles
         self.read_rows = self.components[: b["exact_prefix"]] if mode == "exact" else self.components
         self.row_bytes = b["row_bytes"]
-        self.cache = NeuronCache(d_ff, int(self.is_cold.sum()), len(self.read_rows), d, window)
+        self.cache = NeuronCache(d_ff, capacity, len(self.read_rows), d, window)
         self.gap_bytes = gap_bytes
 
     def _exact_pre(self, x):
@@ -148,7 +151,9 @@ class SparseFFN:
         cache = self.cache
         cache.clock += 1
         cache.evict_stale()
-        missing = needed[cache.slot_of[needed] < 0]
+        hit_slots = cache.slot_of[needed]
+        cache.last_used[hit_slots[hit_slots >= 0]] = cache.clock  # this token's neurons are not evicted
+        missing = needed[hit_slots < 0]
         cost.lookups += len(needed)
         cost.hits += len(needed) - len(missing)
         io = 0.0
@@ -212,7 +217,11 @@ class ImageModel:
 
     def __call__(self, tokens, cache):
         self.costs.start()
-        return self.model(tokens, cache, self.ffns)
+        if self.ffns is None or len(tokens) == 1:
+            return self.model(tokens, cache, self.ffns)
+        # A prompt goes through token by token, as decoding does: a neuron cache sized for one token's
+        # neurons need not hold the union of a whole prompt's.
+        return np.concatenate([self.model([t], cache, self.ffns) for t in tokens])
 
     def dense_ffn_bytes(self) -> int:
         """What a dense step reads of the FFN at the image's precision: every bundle of every layer."""
@@ -230,12 +239,16 @@ def _raw(f: SafetensorsFile, name: str) -> np.ndarray:
 
 
 def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: float = 0.0,
-               gap_bytes: int = DEFAULT_GAP_BYTES, direct: bool = True, workers: int = 4):
-    """(ImageModel, tokenizer) for an image, in one of MODES."""
+               gap_bytes: int = DEFAULT_GAP_BYTES, direct: bool = True, workers: int = 4,
+               ram_budget: int | None = None, tokens: int = 2048):
+    """(ImageModel, tokenizer) for an image, in one of MODES; with `ram_budget`, the neuron caches are sized to
+    fit it (for `tokens` of context) or the budget is refused."""
     if mode not in MODES:
         raise LsparseError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
     image = Path(image)
     meta = load_manifest(image)
+    from lsparse.runtime.budget import plan
+    memory = plan(meta, mode, tokens, ram_budget)
     arch, args = architecture(meta["config"])
     globals_ = {k: _float(v) for k, v in _resident(image / "resident" / "globals.safetensors").items()}
     costs = CostLog()
@@ -249,11 +262,13 @@ def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: flo
             weights.update(_dense_ffn(image, meta, layer, resident))
         else:
             ffns.append(SparseFFN(arch, args, meta, layer, resident, reader, mode, window, threshold_shift, costs,
-                                  gap_bytes))
+                                  gap_bytes, memory["cache_slots"][layer["index"]]))
         layers.append(weights)
     model = Model(arch, args, globals_, layers, np)
     tokenizer = from_folder(image, meta["config"])
-    return ImageModel(model, ffns or None, costs, meta, reader), tokenizer
+    image_model = ImageModel(model, ffns or None, costs, meta, reader)
+    image_model.memory_plan = memory
+    return image_model, tokenizer
 
 
 def _dense_ffn(image: Path, meta: dict, layer: dict, resident: dict) -> dict:

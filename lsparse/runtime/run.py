@@ -52,7 +52,7 @@ def flash_report(model) -> dict:
 def run(spec: str, prompt: str, max_tokens: int, *, mode: str | None = None, window: int = 5,
         threshold_shift: float = 0.0, temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
         chat: bool = True, revision: str | None = None, tokenizer: str | None = None, backend: str | None = None,
-        as_json: bool = False, direct: bool = True, out=sys.stdout) -> dict:
+        as_json: bool = False, direct: bool = True, ram_budget: str | None = None, out=sys.stdout) -> dict:
     """`mode` None: dense decoding of a checkpoint; exact, predicted or dense: decoding from an image."""
     sample = make_sampler(temp, top_p, seed)
     if mode is None:
@@ -62,8 +62,15 @@ def run(spec: str, prompt: str, max_tokens: int, *, mode: str | None = None, win
         backend = backend or default_backend()
         model, tok, where = load_model(checkpoint, backend), checkpoint.tokenizer, checkpoint.location
     else:
+        from lsparse.image.format import load_manifest
+        from lsparse.runtime.budget import parse_bytes
         from lsparse.runtime.image_model import load_image
-        model, tok = load_image(spec, mode, window, threshold_shift, direct=direct)
+        from lsparse.source.tokenizer import from_folder
+        tok = from_folder(Path(spec), load_manifest(spec)["config"])
+        ids = encode_prompt(tok, prompt, chat)
+        model, tok = load_image(spec, mode, window, threshold_shift, direct=direct,
+                                ram_budget=parse_bytes(ram_budget) if ram_budget else None,
+                                tokens=len(ids) + max_tokens)
         backend, where = "numpy", spec
     ids = encode_prompt(tok, prompt, chat)
     stats = GenerationStats()
@@ -75,6 +82,9 @@ def run(spec: str, prompt: str, max_tokens: int, *, mode: str | None = None, win
             out.flush()
     result = {"model": where, "mode": mode or "dense-checkpoint", "backend": backend, "prompt": prompt,
               "text": detok.text(), "tokens": detok.tokens, **stats.as_dict()}
+    if mode is not None:
+        result["memory_plan"] = {k: v for k, v in model.memory_plan.items() if k != "cache_slots"}
+        result["ram_budget"] = parse_bytes(ram_budget) if ram_budget else None
     if mode in ("exact", "predicted"):
         result["flash"] = flash_report(model)
         model.reader.close()

@@ -1,0 +1,68 @@
+"""Planning RAM for decoding from an image under a budget: what stays resident, what the neuron cache may
+hold, the KV cache, and the process itself. Refuses a budget that cannot fit, naming the smallest that can."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from lsparse.errors import LsparseError
+from lsparse.model import architecture
+
+# Python, numpy, MLX and lsparse's own code: `lsparse run` peaks at 57 MB (VmHWM) on a tiny image on Linux
+# x86-64 with the mlx[cpu] wheel, weights included.
+PROCESS_BYTES = 64 * 2**20
+UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?\s*", text.upper())
+    if not m:
+        raise LsparseError(f"cannot read the size {text!r} (examples: 512MB, 2GB, 1.5G)")
+    return int(float(m.group(1)) * UNITS[m.group(2)])
+
+
+def plan(meta: dict, mode: str, tokens: int, budget: int | None) -> dict:
+    """Bytes per component, and the neuron-cache capacity (slots) of each layer."""
+    arch, args = architecture(meta["config"])
+    d, b = meta["bundle"]["d_model"], meta["bundle"]
+    n_kv, head_dim = arch.kv_shape(args)
+    f32 = 4
+    attention = sum(int(np.prod(s)) for s in _attention_shapes(args, arch)) * f32 * len(meta["layers"])
+    globals_ = (args.vocab_size * args.hidden_size * (1 if meta["config"].get("tie_word_embeddings") else 2)
+                + 2 * args.hidden_size) * f32
+    kv = len(meta["layers"]) * 2 * n_kv * tokens * head_dim * f32
+    hot = sum(len(layer["hot"]) for layer in meta["layers"]) * len(b["components"]) * d * f32
+    d_ffs = np.array([layer["d_ff"] for layer in meta["layers"]])
+    exact = int(d_ffs.sum()) * d * f32 if mode == "exact" else 0
+    rows = b["exact_prefix"] if mode == "exact" else len(b["components"])
+    slot = rows * d * f32
+    cold = np.array([layer["region"]["count"] for layer in meta["layers"]])
+    active = np.array([layer["calibration"]["active_fraction"] for layer in meta["layers"]])
+    fixed = PROCESS_BYTES + attention + globals_ + kv + hot + exact
+    if mode == "dense":
+        fixed += int(d_ffs.sum()) * len(b["components"]) * d * f32
+        capacity, minimum = np.zeros_like(cold), np.zeros_like(cold)
+    else:
+        # A token's own neurons must fit: half as many again as calibration saw active on average.
+        minimum = np.minimum(cold, np.ceil(1.5 * active * d_ffs).astype(int))
+        capacity = cold.copy()
+    need = fixed + int(minimum.sum()) * slot
+    if budget is not None:
+        if budget < need:
+            raise LsparseError(f"a RAM budget of {budget / 2**20:.0f} MiB cannot hold this image in {mode} mode: "
+                               f"the smallest that works is {-(-need // 2**20)} MiB")
+        spare = (budget - fixed) // slot
+        if mode != "dense" and spare < cold.sum():  # share the cache in proportion to what layers need
+            capacity = np.maximum(minimum, np.floor(spare * minimum / max(minimum.sum(), 1)).astype(int))
+    return {"process": PROCESS_BYTES, "attention": attention, "embedding_head": globals_, "kv_cache": kv,
+            "hot_neurons": hot, "exact_gate": exact, "neuron_cache": int(capacity.sum()) * slot,
+            "total": fixed + int(capacity.sum()) * slot, "smallest_budget": need,
+            "cache_slots": capacity.tolist()}
+
+
+def _attention_shapes(args, arch):
+    d, h = args.hidden_size, args.head_dim
+    n_kv, _ = arch.kv_shape(args)
+    return [(args.num_attention_heads * h, d), (n_kv * h, d), (n_kv * h, d), (d, args.num_attention_heads * h)]
