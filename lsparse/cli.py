@@ -136,26 +136,31 @@ def compile_(
                                            "or llama2.c file."),
     output: str = typer.Option(..., "--output", "-o", help="The image directory to write."),
     calib: Optional[str] = typer.Option(None, "--calib", help="Calibration text (default: lsparse's stories)."),
-    calib_tokens: int = typer.Option(8192, "--calib-tokens", min=1, help="Calibration tokens to use."),
-    bits: int = typer.Option(4, "--bits", help="Bundle precision: 4, 8 or 16."),
-    group_size: int = typer.Option(64, "--group-size", help="Quantization group (MLX: 32, 64, 128)."),
-    hot_fraction: float = typer.Option(0.1, "--hot-fraction", min=0.0, max=1.0,
-                                       help="Share of each layer's neurons pinned in RAM."),
-    predictor: str = typer.Option("lowrank", "--predictor", help="exact, svd or lowrank."),
-    rank: int = typer.Option(32, "--rank", min=1, help="Predictor rank of the first layer (2x at the last)."),
-    recall: float = typer.Option(0.99, "--recall", min=0.5, max=1.0, help="Recall the predictor threshold aims at."),
-    threshold_sparsity: float = typer.Option(0.5, "--threshold-sparsity", min=0.0, max=0.99,
-                                             help="SwiGLU models: share of activations cut by magnitude."),
+    config: Optional[str] = typer.Option(None, "--config", help="A preset: opt, reglu-llama, drelu, "
+                                                                "swiglu-threshold, or a TOML file."),
+    calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", min=1, help="Calibration tokens [8192]."),
+    bits: Optional[int] = typer.Option(None, "--bits", help="Bundle precision: 4, 8 or 16 [4]."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="Quantization group: 32, 64, 128 [64]."),
+    hot_fraction: Optional[float] = typer.Option(None, "--hot-fraction", min=0.0, max=1.0,
+                                                 help="Share of each layer's neurons pinned in RAM [0.1]."),
+    predictor: Optional[str] = typer.Option(None, "--predictor", help="exact, svd or lowrank [lowrank]."),
+    rank: Optional[int] = typer.Option(None, "--rank", min=1, help="Predictor rank, first layer; 2x at the last [32]."),
+    recall: Optional[float] = typer.Option(None, "--recall", min=0.5, max=1.0,
+                                           help="Recall the predictor threshold aims at [0.99]."),
+    threshold_sparsity: Optional[float] = typer.Option(None, "--threshold-sparsity", min=0.0, max=0.99,
+                                                       help="SwiGLU models: share of activations cut [0.5]."),
     force: bool = typer.Option(False, "--force", help="Replace an existing image."),
 ):
     """Calibrate a checkpoint layer by layer and write its flash image."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from lsparse.image.compile import CompileOptions, compile_image
-    options = CompileOptions(calib_tokens=calib_tokens, bits=bits, group_size=group_size,
-                             hot_fraction=hot_fraction, predictor=predictor, rank=rank, recall=recall,
-                             threshold_sparsity=threshold_sparsity, force=force)
+    from lsparse.image.compile import CompileOptions, compile_image, load_preset
+    settings = load_preset(config) if config else {}
+    given = {"calib_tokens": calib_tokens, "bits": bits, "group_size": group_size, "hot_fraction": hot_fraction,
+             "predictor": predictor, "rank": rank, "recall": recall, "threshold_sparsity": threshold_sparsity}
+    settings.update({k: v for k, v in given.items() if v is not None})  # the command line wins over a preset
+    options = CompileOptions(force=force, **settings)
     if calib:
         options.calib = calib
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),

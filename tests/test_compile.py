@@ -14,7 +14,7 @@ from lsparse.errors import LsparseError
 from lsparse.image import compile as compile_module
 from lsparse.image.bundles import decode_bundles, encode_bundles
 from lsparse.image.compile import CompileOptions, compile_image
-from lsparse.image.format import verify
+from lsparse.image.format import load_manifest, verify
 from lsparse.image.quantize import dequantize_rows, quantize_rows
 from lsparse.source import resolve
 from lsparse.source.safetensors_store import SafetensorsFile
@@ -180,3 +180,19 @@ def test_interrupted_or_full_disk_leaves_nothing(tiny_relu_llama, tmp_path, monk
         compile_image(str(tiny_relu_llama), str(tmp_path / "image"), options())
     assert list(tmp_path.iterdir()) == []
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+def test_presets_load_and_the_command_line_wins(tiny_relu_llama, tmp_path):
+    from lsparse.image.compile import load_preset
+    assert load_preset("swiglu-threshold")["threshold_sparsity"] == 0.4
+    (tmp_path / "mine.toml").write_text("bits = 16\npredictor = 'svd'\nrank = 4\nhot_fraction = 0.5\n")
+    result = lsparse("compile", str(tiny_relu_llama), "-o", str(tmp_path / "image"), "--config",
+                     str(tmp_path / "mine.toml"), "--hot-fraction", "0.25", "--calib-tokens", "512")
+    assert result.returncode == 0, result.stderr
+    manifest = load_manifest(tmp_path / "image")
+    assert manifest["quantization"]["bits"] == 16 and manifest["predictor"]["kind"] == "svd"
+    assert len(manifest["layers"][0]["hot"]) == 64  # 0.25 of 256, from the command line, not the preset's 0.5
+    (tmp_path / "bad.toml").write_text("bitz = 4\n")
+    bad = lsparse("compile", str(tiny_relu_llama), "-o", str(tmp_path / "other"), "--config",
+                  str(tmp_path / "bad.toml"))
+    assert bad.returncode == 1 and "unknown key(s) bitz" in bad.stderr and not (tmp_path / "other").exists()

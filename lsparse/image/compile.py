@@ -58,6 +58,30 @@ class CompileOptions:
     force: bool = False
 
 
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+PRESET_KEYS = ("calib_tokens", "bits", "group_size", "hot_fraction", "predictor", "rank", "recall",
+               "threshold_sparsity", "predictor_epochs")
+
+
+def load_preset(name: str) -> dict:
+    """A compile preset: a TOML file, or the name of one in configs/ (opt, reglu-llama, drelu, swiglu-threshold)."""
+    import tomllib
+    path = Path(name)
+    if not path.exists():
+        path = CONFIG_DIR / f"{name}.toml"
+    if not path.exists():
+        known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))) or "none"
+        raise LsparseError(f"no compile preset {name!r} (a TOML file, or one of: {known})")
+    try:
+        preset = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise LsparseError(f"{path}: malformed TOML ({e})") from None
+    unknown = sorted(set(preset) - set(PRESET_KEYS))
+    if unknown:
+        raise LsparseError(f"{path}: unknown key(s) {', '.join(unknown)} (known: {', '.join(PRESET_KEYS)})")
+    return preset
+
+
 def relu_sparse(args) -> bool:
     """Whether the FFN has exact zeros (ReLU, ReGLU, dReLU, OPT) or needs a magnitude threshold (SwiGLU)."""
     return getattr(args, "hidden_act", "relu") not in ("silu", "swish")
@@ -75,15 +99,13 @@ def _calibration_windows(tokenizer, options: CompileOptions) -> tuple[list[list[
     if total < MIN_CALIBRATION_TOKENS:
         raise LsparseError(f"{options.calib}: {total} tokens of calibration text; at least "
                            f"{MIN_CALIBRATION_TOKENS} are needed")
-    train_tokens, split = 0, len(windows)
-    for i, w in enumerate(windows):  # the last windows, about `held_out` of the tokens, are held out
-        if train_tokens >= (1 - options.held_out) * total and i > 0:
-            split = i
-            break
-        train_tokens += len(w)
-    if split == len(windows):
-        raise LsparseError(f"{options.calib}: too little calibration text to hold some out "
-                           f"({len(windows)} window(s)); give more text or a smaller --window")
+    if len(windows) < 2:
+        raise LsparseError(f"{options.calib}: too little calibration text to hold some out (one window); "
+                           "give more text")
+    # the last windows, about `held_out` of the tokens and at least one window, are held out
+    cumulative = np.cumsum([len(w) for w in windows])
+    split = int(np.clip(np.searchsorted(cumulative, (1 - options.held_out) * total) + 1, 1, len(windows) - 1))
+    train_tokens = int(cumulative[split - 1])
     return windows, train_tokens
 
 
