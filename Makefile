@@ -39,6 +39,7 @@ test-slow: $(VENV)/.installed-test
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python scripts/bench_dense.py
+	$(BIN)/python scripts/bench_reader.py
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check lsparse tests scripts

@@ -44,15 +44,35 @@ def measure(folder: Path, teacher: Path, text: Path) -> dict:
             "ffn_share": summary["ffn_share"], "args": summary["args"]}
 
 
+def phases(training: dict) -> list[dict]:
+    """The training records, first phase first (each later phase keeps its predecessor under "previous")."""
+    chain = []
+    while training:
+        chain.insert(0, training)
+        training = training.get("previous")
+    return chain
+
+
 def card(name: str, m: dict, training: dict) -> str:
-    a, t = m["args"], training["args"]
+    a, chain = m["args"], phases(training)
+    p1, t = chain[0]["args"], chain[-1]["args"]
     layers = ", ".join(f"{z:.1%}" for z in m["exact_zero_fraction_per_layer"])
     windows = ", ".join(f"k={k}: {v:.1%}" for k, v in m["window_union_fraction"].items())
     hot = ", ".join(f"top {float(k):.0%}: {v:.1%}" for k, v in m["hot_coverage"].items())
+    later = []
+    for i, phase in enumerate(chain[1:], start=3):
+        args = phase["args"]
+        shift = (f"the ReLU becomes ProSparse's FATReLU, `x if x > t else 0`, with t set to the gate value below "
+                 f"which {float(args['target_zero']):.0%} of activations fell; " if args.get("threshold_shift") else "")
+        later.append(f"{i}. **{'Threshold shifting' if shift else 'Recovery'}** ({args['steps']} steps, "
+                     f"{phase['minutes']:.0f} min): {shift}training goes on with the L1 weight held at "
+                     f"{args['l1_fixed']}; peak learning rate {args['lr']}, cosine decay.")
+    later_text = "\n".join(later)
+    minutes = sum(phase["minutes"] for phase in chain)
     return f"""# {name}
 
 lsparse's built-in default model (`builtin:{name}`): a Llama-architecture decoder with a ReLU-gated FFN
-(ReGLU, the form of ProSparse-Llama-2: `down(relu(gate(x)) * up(x))`), trained by lsparse itself so that
+(ReGLU, the form of ProSparse-Llama-2: `down(fatrelu(gate(x)) * up(x))`), trained by lsparse itself so that
 sparsity, windowing, prediction and paging can be measured on a real sparse model.
 
 | | |
@@ -60,12 +80,13 @@ sparsity, windowing, prediction and paging can be measured on a real sparse mode
 | layers, d_model, d_ff | {a['num_hidden_layers']}, {a['hidden_size']}, {a['intermediate_size']} |
 | heads, KV heads | {a['num_attention_heads']}, {a['num_key_value_heads']} |
 | vocabulary, context | {a['vocab_size']}, {a['max_position_embeddings']} |
+| activation | `{a['hidden_act']}`, threshold {a['relu_threshold']:.4f} (`hidden_act_param`) |
 | parameters | {m['parameters']:,} (FFN {m['ffn_share']:.1%}), fp32 safetensors, tied embeddings |
 | tokenizer | stories260K's 512-piece SentencePiece model, converted to tokenizer.json |
 
 ## Measured on held-out text
 
-Text: `{m['held_out_text']}` (100 TinyStories validation stories, never used in training), {m['held_out_tokens']:,}
+Text: `{m['held_out_text']}` (100 TinyStories validation stories, never trained on), {m['held_out_tokens']:,}
 tokens in windows of at most 512; measured {m['date']} with `python scripts/model_card.py lsparse/builtin/{name}`.
 
 | figure | value | target |
@@ -81,19 +102,25 @@ Share of all activations made by the most frequent neurons: {hot}.
 
 ## Recipe
 
-Distillation from the real stories260K (karpathy/tinyllamas, in `../shared/data/stories260K`) with
-ProSparse's ingredients: a ReLU activation from the start, and a progressive L1 penalty on the
-activations, off for the first {float(t['l1_start']):.0%} of training, then raised by 1.5x every
-{t['l1_every']} steps while the training batches were less than {float(t['target_zero']):.0%} zeros.
-Training text: stories sampled from the teacher at temperature 1 as training went ({t['sample_batch']}
-at a time, each seen {t['reuse']} times), {t['steps']} steps of {t['batch']} sequences of {t['seq']} tokens
-(about {t['steps'] * t['batch'] * t['seq'] / 1e6:.1f} M tokens); loss: cross-entropy against the teacher's full
-next-token distribution plus the L1 term. AdamW (betas 0.9, 0.95), peak learning rate {t['lr']}, cosine
-decay, gradient clipping at 1. Seed {t['seed']}; torch {training['torch']} on {t['threads']} CPU threads;
-{training['minutes']:.0f} minutes on a 2-core x86-64 machine.
+ProSparse's steps, scaled down, with distillation from the real stories260K (karpathy/tinyllamas, in
+`../shared/data/stories260K`; dim 64, 5 layers, SwiGLU with d_ff 172); {minutes:.0f} minutes of training in all.
 
-Reproduce: `python scripts/train_builtin.py --out lsparse/builtin/{name}` then the measurement command above
-(`training.json` holds the arguments and the training log).
+1. **Activation substitution.** The student starts as the teacher: the same embeddings, attention and FFN
+   weights, with ReLU where the teacher had SiLU; the FFN widened to d_ff {a['intermediate_size']} (new neurons start
+   with a zero down column) and layers beyond the teacher's added as identities.
+2. **Progressive sparsity regularization** ({p1['steps']} steps, {chain[0]['minutes']:.0f} min). An L1 penalty on the
+   ReLU activations, off for the first {float(p1['l1_start']):.0%} of training, then raised by 1.5x every
+   {p1['l1_every']} steps while the training batches were less than {float(p1['target_zero']):.0%} zeros (it ended
+   at {chain[0]['log'][-1]['l1']:.1f}). Peak learning rate {p1['lr']}, cosine decay.
+{later_text}
+
+Training text: stories sampled from the teacher at temperature 1 as training went ({t['sample_batch']} at a time,
+each seen {t['reuse']} times), batches of {t['batch']} sequences of {t['seq']} tokens; loss: cross-entropy against the
+teacher's full next-token distribution plus the L1 term. AdamW (betas 0.9, 0.95), gradient clipping at 1.
+Seed {t['seed']}; torch {chain[-1]['torch']} on {t['threads']} CPU threads of a 2-core x86-64 machine. The
+held-out stories were never trained on; their first 20 were used to watch training (`training.json` has the logs).
+
+Reproduce: the commands at the top of `scripts/train_builtin.py`, then the measurement command above.
 """
 
 

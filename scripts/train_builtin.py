@@ -11,7 +11,11 @@ Recipe (ProSparse and knowledge distillation, scaled down):
 
 Everything is seeded; torch is a training-time tool here, never a runtime dependency of lsparse.
 
-    python scripts/train_builtin.py --out lsparse/builtin/tinystories-reglu     # about an hour on 2 cores
+    python scripts/train_builtin.py --out /tmp/phase1                                  # ~30 min on 2 cores
+    python scripts/train_builtin.py --resume /tmp/phase1 --threshold-shift --target-zero 0.87 \
+        --l1-fixed 2.0 --steps 500 --lr 5e-4 --out /tmp/phase2                      # ~10 min
+    python scripts/train_builtin.py --resume /tmp/phase2 --l1-fixed 0.3 --steps 700 --lr 5e-4 \
+        --out lsparse/builtin/tinystories-reglu                                       # ~15 min
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ class Shape:
     hidden_act: str
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
+    hidden_act_param: float = 0.0  # ProSparse's FATReLU threshold (hidden_act "fatrelu")
 
 
 class RMSNorm(nn.Module):
@@ -98,14 +103,17 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, s: Shape):
         super().__init__()
-        self.act = s.hidden_act
+        self.act, self.threshold = s.hidden_act, s.hidden_act_param
         self.gate_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.up_proj = nn.Linear(s.hidden_size, s.intermediate_size, bias=False)
         self.down_proj = nn.Linear(s.intermediate_size, s.hidden_size, bias=False)
 
     def forward(self, x, acts=None):
         g = self.gate_proj(x)
-        g = F.relu(g) if self.act == "relu" else F.silu(g)
+        if self.act == "silu":
+            g = F.silu(g)
+        else:  # ReLU, shifted by the threshold once one is set (ProSparse's threshold shifting)
+            g = F.relu(g) if self.threshold == 0 else g * (g > self.threshold)
         if acts is not None:
             acts.append(g)
         return self.down_proj(g * self.up_proj(x))
@@ -199,6 +207,16 @@ def init_from_teacher(student: Llama, teacher: Llama) -> None:
             value.copy_(src)
 
 
+@torch.no_grad()
+def shift_threshold(student: Llama, teacher: Llama, target_zero: float, gen: torch.Generator) -> float:
+    """The gate value below which `target_zero` of the ReLU activations fall, on freshly sampled text."""
+    tokens = sample_teacher(teacher, 16, 257, gen)
+    acts = []
+    student(tokens, acts=acts)
+    values = torch.cat([a.flatten() for a in acts])
+    return float(torch.quantile(values[torch.randperm(len(values), generator=gen)[:1_000_000]], target_zero))
+
+
 def evaluate(student: Llama, windows: list[list[int]]) -> tuple[float, list[float]]:
     """Perplexity on held-out windows and the per-layer fraction of exactly-zero FFN activations."""
     nll, count, zeros, total = 0.0, 0, None, 0
@@ -233,6 +251,11 @@ def main() -> None:
     p.add_argument("--target-zero", type=float, default=0.9, help="zero fraction the L1 weight aims at")
     p.add_argument("--sample-batch", type=int, default=256, help="teacher sequences sampled at once")
     p.add_argument("--reuse", type=int, default=2, help="steps that see each sampled sequence")
+    p.add_argument("--resume", type=Path, help="continue from a model this script exported (a second phase)")
+    p.add_argument("--threshold-shift", action="store_true",
+                   help="with --resume: shift the ReLU threshold (FATReLU) to the gate value below which "
+                        "--target-zero of activations fall, then train on with it")
+    p.add_argument("--l1-fixed", type=float, help="hold the L1 weight at this value")
     p.add_argument("--init", choices=("teacher", "random"), default="teacher",
                    help="teacher: start from the teacher's weights with ReLU in place of SiLU (ProSparse's "
                         "activation substitution), d_ff widened and one identity layer added; random: from scratch")
@@ -255,7 +278,19 @@ def main() -> None:
     for name, prm in student.named_parameters():
         if prm.dim() == 2:
             nn.init.normal_(prm, std=0.02 if "embed" in name else 1 / math.sqrt(prm.shape[1]))
-    if args.init == "teacher":
+    if args.resume:
+        from safetensors.numpy import load_file
+        state = load_file(str(args.resume / "model.safetensors"))
+        student.load_state_dict({k: torch.from_numpy(v) for k, v in state.items()})
+        args.l1_start = 0.0  # the penalty goes on from where the first phase left it
+        l1_from = json.loads((args.resume / "training.json").read_text())["log"][-1]["l1"]
+        shape.hidden_act_param = json.loads((args.resume / "config.json").read_text()).get("hidden_act_param", 0.0)
+        if args.threshold_shift:
+            shape.hidden_act_param = shift_threshold(student, teacher, args.target_zero, gen)
+        for layer in student.model.layers:
+            layer.mlp.threshold = shape.hidden_act_param
+        print(json.dumps({"relu_threshold": shape.hidden_act_param}), flush=True)
+    elif args.init == "teacher":
         init_from_teacher(student, teacher)
     opt = torch.optim.AdamW(student.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
 
@@ -272,7 +307,7 @@ def main() -> None:
 
     data = batches()
     log = []
-    l1, zero_window = 0.0, []
+    l1, zero_window = (l1_from if args.resume else 0.0), []
     start = time.time()
     warmup = max(1, min(100, args.steps // 10))
     for step in range(1, args.steps + 1):
@@ -280,7 +315,9 @@ def main() -> None:
         for group in opt.param_groups:
             group["lr"] = lr
         # ProSparse: the L1 weight starts once the model has learnt the task, then rises in stages.
-        if step > args.l1_start * args.steps and step % args.l1_every == 0:
+        if args.l1_fixed is not None:
+            l1 = args.l1_fixed
+        elif step > args.l1_start * args.steps and step % args.l1_every == 0:
             if not l1:
                 l1 = args.l1_init
             elif np.mean(zero_window) < args.target_zero:
@@ -347,6 +384,10 @@ def export(student: Llama, shape: Shape, args, minutes: float, log: list[dict]) 
     save_file(tensors, str(out / "model.safetensors"))
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **asdict(shape),
               "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
+    if shape.hidden_act_param > 0:
+        config["hidden_act"] = "fatrelu"
+    else:
+        del config["hidden_act_param"]
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     # The teacher's SentencePiece model, converted to tokenizer.json (the SentencePiece file itself stays in
     # ../shared/data); test_builtin checks that both encode held-out text identically.
@@ -355,6 +396,8 @@ def export(student: Llama, shape: Shape, args, minutes: float, log: list[dict]) 
     (out / "tokenizer_config.json").write_text(json.dumps(special, indent=2) + "\n")
     training = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                 "minutes": minutes, "torch": torch.__version__, "log": log}
+    if args.resume:  # keep the whole history: the first phase's record travels with the model
+        training["previous"] = json.loads((args.resume / "training.json").read_text())
     (out / "training.json").write_text(json.dumps(training, indent=2) + "\n")
     print(f"wrote {out} after {minutes:.1f} minutes")
 

@@ -22,6 +22,7 @@ CASES = {
     "llama-relu": ("Llama", dict(LLAMA, hidden_act="relu", num_key_value_heads=4)),
     "llama-silu-gqa": ("Llama", dict(LLAMA, hidden_act="silu", num_key_value_heads=2, tie_word_embeddings=True)),
     "llama-drelu": ("Llama", dict(LLAMA, hidden_act="relu", num_key_value_heads=2)),
+    "llama-fatrelu": ("Llama", dict(LLAMA, hidden_act="relu", num_key_value_heads=2)),
     "llama3-rope-scaling": ("Llama", dict(LLAMA, hidden_act="silu", num_key_value_heads=2, rope_theta=500000.0,
                                           rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                                             high_freq_factor=4.0,
@@ -40,6 +41,19 @@ def _drelu_forward(mlp):
     return forward
 
 
+def _fatrelu_forward(mlp, threshold):
+    """ProSparse's shifted ReLU on the gate: x if x > threshold else 0."""
+    import torch
+
+    def forward(x):
+        g = mlp.gate_proj(x)
+        return mlp.down_proj(g * (g > threshold) * mlp.up_proj(x))
+    return forward
+
+
+FATRELU_THRESHOLD = 0.05
+
+
 def build(case: str, folder):
     torch, transformers = require_reference()
     family, kwargs = CASES[case]
@@ -51,15 +65,18 @@ def build(case: str, folder):
     with torch.no_grad():  # random init is near zero; spread the weights so that every path matters
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.05)
-    if case == "llama-drelu":
-        for layer in model.model.layers:
+    for layer in (model.model.layers if family != "OPT" else []):
+        if case == "llama-drelu":
             layer.mlp.forward = _drelu_forward(layer.mlp)
+        elif case == "llama-fatrelu":
+            layer.mlp.forward = _fatrelu_forward(layer.mlp, FATRELU_THRESHOLD)
     model.save_pretrained(folder)
-    if case == "llama-drelu":
+    act = {"llama-drelu": {"hidden_act": "drelu"},
+           "llama-fatrelu": {"hidden_act": "fatrelu", "hidden_act_param": FATRELU_THRESHOLD}}.get(case)
+    if act:
         import json
         cfg = json.loads((folder / "config.json").read_text())
-        cfg["hidden_act"] = "drelu"
-        (folder / "config.json").write_text(json.dumps(cfg))
+        (folder / "config.json").write_text(json.dumps({**cfg, **act}))
     return model
 
 

@@ -17,9 +17,10 @@ from lsparse.model.layers import (
     split_heads,
 )
 
-# hidden_act -> (activation of the gate, whether the up projection is ReLU'd too)
-ACTIVATIONS = {"relu": ("relu", False), "silu": ("silu", False), "swish": ("silu", False),
-               "drelu": ("relu", True)}
+# hidden_act -> (activation of the gate, whether the up projection is ReLU'd too). "fatrelu" is ProSparse's
+# shifted ReLU: a gate value counts only above the threshold `hidden_act_param` (x if x > t else 0).
+ACTIVATIONS = {"relu": ("relu", False), "fatrelu": ("relu", False), "silu": ("silu", False),
+               "swish": ("silu", False), "drelu": ("relu", True)}
 ROPE_TYPES = ("default", "linear", "llama3")
 # A neuron's rows on flash, in file order; exact mode computes the resident gate and reads the first two.
 BUNDLE = ("up", "down", "gate")
@@ -40,6 +41,7 @@ class ModelArgs:
     rope_theta: float
     rope_scaling: dict | None
     hidden_act: str
+    relu_threshold: float
     tie_word_embeddings: bool
     max_position_embeddings: int
     sliding_window: int | None
@@ -70,6 +72,7 @@ class ModelArgs:
                 rope_theta=config.get("rope_theta", rope.get("rope_theta", 10000.0)),
                 rope_scaling=scaling,
                 hidden_act=act,
+                relu_threshold=float(config.get("hidden_act_param", 0.0)) if act == "fatrelu" else 0.0,
                 tie_word_embeddings=config.get("tie_word_embeddings", False),
                 max_position_embeddings=config.get("max_position_embeddings", 4096),
                 sliding_window=config.get("sliding_window"),
@@ -118,15 +121,18 @@ def attention_block(args: ModelArgs, w: dict, x, cache, positions, xp):
     return linear(out, w["o"], w.get("o_bias"))
 
 
+def gate_activation(args: ModelArgs, gate, up, xp):
+    """The coefficient on each down column, from the gate and up projections' values."""
+    gate_act, relu_up = ACTIVATIONS[args.hidden_act]
+    if gate_act == "silu":
+        return silu(gate, xp) * up
+    g = relu(gate, xp) if args.relu_threshold == 0 else gate * (gate > args.relu_threshold)
+    return g * (relu(up, xp) if relu_up else up)
+
+
 def ffn_activation(args: ModelArgs, w: dict, x, xp):
     """Each neuron's coefficient on its down column; where it is zero the neuron's rows are not needed."""
-    gate_act, relu_up = ACTIVATIONS[args.hidden_act]
-    gate = linear(x, w["gate"])
-    gate = relu(gate, xp) if gate_act == "relu" else silu(gate, xp)
-    up = linear(x, w["up"])
-    if relu_up:
-        up = relu(up, xp)
-    return gate * up
+    return gate_activation(args, linear(x, w["gate"]), linear(x, w["up"]), xp)
 
 
 def ffn_down(args: ModelArgs, w: dict, a, xp):

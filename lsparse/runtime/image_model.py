@@ -14,7 +14,7 @@ from lsparse.errors import LsparseError
 from lsparse.image.bundles import decode_bundles
 from lsparse.image.format import NEURONS, load_manifest
 from lsparse.model import Model, architecture
-from lsparse.model.layers import relu, silu
+from lsparse.model.layers import relu
 from lsparse.runtime.reader import DEFAULT_GAP_BYTES, FlashReader, coalesce
 from lsparse.source.safetensors_store import SafetensorsFile
 from lsparse.source.tokenizer import from_folder
@@ -128,9 +128,8 @@ class SparseFFN:
         if "gate" not in self.components:  # OPT: relu(fc1 x + b)
             a = relu(pre, np)
         else:
-            from lsparse.model.llama import ACTIVATIONS
-            gate_act, relu_up = ACTIVATIONS[self.args.hidden_act]
-            a = (relu(pre, np) if gate_act == "relu" else silu(pre, np)) * (relu(up, np) if relu_up else up)
+            from lsparse.model.llama import gate_activation
+            a = gate_activation(self.args, pre, up, np)
         if self.threshold > 0:
             a = a * (np.abs(a) > self.threshold)
         return a
@@ -140,7 +139,7 @@ class SparseFFN:
         start = time.perf_counter()
         if self.mode == "exact":
             pre_all = self._exact_pre(x)
-            active = pre_all > 0
+            active = pre_all > getattr(self.args, "relu_threshold", 0.0)
         else:
             pre_all = None
             active = predictor_scores(self.kind, self.predictor, x) > self.predictor_threshold
