@@ -43,7 +43,6 @@ def _drelu_forward(mlp):
 
 def _fatrelu_forward(mlp, threshold):
     """ProSparse's shifted ReLU on the gate: x if x > threshold else 0."""
-    import torch
 
     def forward(x):
         g = mlp.gate_proj(x)

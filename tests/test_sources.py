@@ -74,7 +74,7 @@ def test_malformed_config_names_the_file(tmp_path):
 @pytest.mark.parametrize("change,message", [
     ({"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"},
      "unsupported architecture GPTNeoXForCausalLM .supported: LlamaForCausalLM, MistralForCausalLM, OPTForCausalLM"),
-    ({"hidden_act": "gelu"}, "unsupported FFN activation 'gelu' .* .supported: relu, silu, swish, drelu"),
+    ({"hidden_act": "gelu"}, "unsupported FFN activation 'gelu' .* .supported: relu, fatrelu, silu, swish, drelu"),
     ({"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}, "unsupported RoPE scaling 'yarn'"),
 ])
 def test_unsupported_models_name_what_is_supported(tmp_path, change, message):
