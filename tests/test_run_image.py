@@ -75,15 +75,17 @@ def test_opt_image_exact_equals_dense(tmp_path):
     np.testing.assert_allclose(logits(exact, tokens), b, atol=1e-4 * np.abs(b).max())
 
 
-def test_truncated_neuron_file_is_a_clean_error(relu_image, tmp_path):
+def test_neuron_file_truncated_while_running_is_a_clean_error(relu_image, tmp_path):
     import shutil
-    damaged = tmp_path / "image"
-    shutil.copytree(relu_image, damaged)
-    data = (damaged / "neurons.bin").read_bytes()
-    (damaged / "neurons.bin").write_bytes(data[: len(data) // 3])
-    result = lsparse("run", str(damaged), "-m", "8")
-    assert result.returncode == 1 and "Traceback" not in result.stderr
-    assert "reading neuron bundles failed" in result.stderr
+
+    from lsparse.errors import LsparseError
+    image = tmp_path / "image"
+    shutil.copytree(relu_image, image)
+    model, _ = load_image(image, "exact", window=1)
+    data = (image / "neurons.bin").read_bytes()
+    (image / "neurons.bin").write_bytes(data[: len(data) // 3])  # the image changes under a running decoder
+    with pytest.raises(LsparseError, match="reading neuron bundles failed"):
+        logits(model, list(np.random.default_rng(4).integers(3, 512, 30)))
 
 
 def test_a_checkpoint_without_dense_is_refused(tmp_path):
@@ -128,3 +130,23 @@ def test_the_smallest_budget_still_decodes_exactly(relu_image):
     a, b = logits(tight, tokens), logits(roomy, tokens)
     np.testing.assert_allclose(a, b, atol=1e-5 * np.abs(b).max())
     assert sum(s.bytes_read for s in tight.costs.steps) > sum(s.bytes_read for s in roomy.costs.steps)
+
+
+@pytest.mark.parametrize("damage,message", [("flip", "does not match its checksum"), ("cut", "truncated or altered"),
+                                            ("version", "version 7 is not supported")])
+def test_run_refuses_a_damaged_image(relu_image, tmp_path, damage, message):
+    import shutil
+    image = tmp_path / "image"
+    shutil.copytree(relu_image, image)
+    path = image / "resident" / "layer-000.safetensors"
+    if damage == "flip":
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0x01
+        path.write_bytes(bytes(data))
+    elif damage == "cut":
+        (image / "neurons.bin").write_bytes((image / "neurons.bin").read_bytes()[:-1])
+    else:
+        manifest = json.loads((image / "manifest.json").read_text())
+        (image / "manifest.json").write_text(json.dumps({**manifest, "version": 7}))
+    result = lsparse("run", str(image), "-m", "4")
+    assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr

@@ -46,6 +46,20 @@ def load_manifest(image: Path) -> dict:
     return manifest
 
 
+def check_for_run(image: Path, manifest: dict) -> None:
+    """What `run` checks before it trusts an image: every file's size, and the checksum of every file but the
+    neuron file (whose regions `lsparse verify` checks; hashing gigabytes at every start would cost seconds)."""
+    for name, info in manifest["files"].items():
+        path = Path(image) / name
+        if not path.exists():
+            raise LsparseError(f"{image}: {name} is missing; the image is damaged (lsparse verify tells more)")
+        if path.stat().st_size != info["size"]:
+            raise LsparseError(f"{image}: {name} is {path.stat().st_size} bytes, the manifest says {info['size']}: "
+                               "truncated or altered")
+        if name != NEURONS and sha256_file(path) != info["sha256"]:
+            raise LsparseError(f"{image}: {name} does not match its checksum: altered")
+
+
 def verify(image: Path) -> list[str]:
     """Every problem found: missing, truncated or altered files and neuron regions. Empty when intact."""
     image = Path(image)

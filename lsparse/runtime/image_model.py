@@ -12,7 +12,7 @@ import numpy as np
 from lsparse.calibrate.predictors import predictor_scores
 from lsparse.errors import LsparseError
 from lsparse.image.bundles import decode_bundles
-from lsparse.image.format import NEURONS, load_manifest
+from lsparse.image.format import NEURONS, check_for_run, load_manifest
 from lsparse.model import Model, architecture
 from lsparse.model.layers import relu
 from lsparse.runtime.reader import DEFAULT_GAP_BYTES, FlashReader, coalesce
@@ -246,6 +246,7 @@ def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: flo
         raise LsparseError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
     image = Path(image)
     meta = load_manifest(image)
+    check_for_run(image, meta)
     from lsparse.runtime.budget import plan
     memory = plan(meta, mode, tokens, ram_budget)
     arch, args = architecture(meta["config"])
