@@ -15,6 +15,7 @@ from lsparse.image.bundles import decode_bundles
 from lsparse.image.format import NEURONS, check_for_run, load_manifest
 from lsparse.model import Model, architecture
 from lsparse.model.layers import relu
+from lsparse.model.llama import gate_activation
 from lsparse.runtime.reader import DEFAULT_GAP_BYTES, FlashReader, coalesce
 from lsparse.source.safetensors_store import SafetensorsFile
 from lsparse.source.tokenizer import from_folder
@@ -128,7 +129,6 @@ class SparseFFN:
         if "gate" not in self.components:  # OPT: relu(fc1 x + b)
             a = relu(pre, np)
         else:
-            from lsparse.model.llama import gate_activation
             a = gate_activation(self.args, pre, up, np)
         if self.threshold > 0:
             a = a * (np.abs(a) > self.threshold)
@@ -159,28 +159,19 @@ class SparseFFN:
         if len(missing):
             prefix = len(self.read_rows) * self.row_bytes
             runs = coalesce(self.position[missing], self.stride, self.region, self.gap_bytes)
-            # only a bundle's first rows are needed in exact mode: the read ends at the last one's prefix
-            spans = [(off, length - self.stride + prefix) for off, length, _ in runs]
             try:
-                data, transferred, io = self.reader.read(spans)
+                data, transferred, io = self.reader.read([(off, length) for off, length, _ in runs])
             except OSError as e:
                 raise LsparseError(f"reading neuron bundles failed ({e}); run lsparse verify on the image") from None
-            rows = np.empty((len(missing), self.stride), dtype=np.uint8)
-            order = np.argsort(self.position[missing])
-            k = 0
-            for (_, _, run), chunk in zip(runs, data, strict=True):
-                base = int(run[0])
-                arr = np.frombuffer(chunk, dtype=np.uint8)
-                for p in run:
-                    at = (int(p) - base) * self.stride
-                    rows[k, :prefix] = arr[at:at + prefix]
-                    k += 1
-            decoded = self.decode(rows[:, :prefix], self.read_rows)
+            order = np.argsort(self.position[missing])  # the runs hold the missing neurons in file order
+            rows = np.concatenate([np.frombuffer(chunk, dtype=np.uint8).reshape(-1, self.stride)[run - run[0], :prefix]
+                                   for (_, _, run), chunk in zip(runs, data, strict=True)])
+            decoded = self.decode(rows, self.read_rows)
             block = np.stack([decoded[c] for c in self.read_rows], axis=1)
             cache.insert(missing[order], block)
             cost.bytes_needed += len(missing) * prefix
             cost.bytes_read += transferred
-            cost.requests += len(spans)
+            cost.requests += len(runs)
         cache.last_used[cache.slot_of[needed]] = cache.clock
         slots = cache.slot_of[needed]
         cost.io_s += io
