@@ -34,8 +34,9 @@ demo: $(VENV)/.installed
 test: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q
 
+# Everything, the tests marked slow included.
 test-slow: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -m "slow or not slow"
 
 bench: $(VENV)/.installed-test
 	$(BIN)/python scripts/bench_dense.py

@@ -111,7 +111,6 @@ def smollm2_path() -> Path:
     return Path(paths[0])
 
 
-@pytest.mark.slow
 @pytest.mark.ref
 def test_smollm2_logits_and_tokens_match_transformers():
     torch, transformers = require_reference()
