@@ -164,7 +164,7 @@ class SparseFFN:
             except OSError as e:
                 raise LsparseError(f"reading neuron bundles failed ({e}); run lsparse verify on the image") from None
             order = np.argsort(self.position[missing])  # the runs hold the missing neurons in file order
-            rows = np.concatenate([np.frombuffer(chunk, dtype=np.uint8).reshape(-1, self.stride)[run - run[0], :prefix]
+            rows = np.concatenate([chunk.reshape(-1, self.stride)[run - run[0], :prefix]
                                    for (_, _, run), chunk in zip(runs, data, strict=True)])
             decoded = self.decode(rows, self.read_rows)
             block = np.stack([decoded[c] for c in self.read_rows], axis=1)

@@ -57,32 +57,38 @@ class FlashReader:
             self.pool.shutdown()
         os.close(self.fd)
 
-    def _read_batch(self, worker: int, spans: list[tuple[int, int]]) -> list[bytes]:
-        out = []
-        for offset, length in spans:
-            start = offset // ALIGN * ALIGN
-            end = min(-(-(offset + length) // ALIGN) * ALIGN, -(-self.size // ALIGN) * ALIGN)
-            if end - start > len(self.buffers[worker]):
-                self.buffers[worker] = mmap.mmap(-1, -(-(end - start) // ALIGN) * ALIGN)
-            buf = self.buffers[worker]
-            got = os.preadv(self.fd, [memoryview(buf)[: end - start]], start)
-            if got < offset + length - start:
+    def _read_batch(self, worker: int, work: list[tuple[int, int, int, int]]) -> None:
+        """Each (block start, block bytes, place in this worker's buffer, bytes that must arrive) in turn."""
+        view, fd, preadv = memoryview(self.buffers[worker]), self.fd, os.preadv
+        for start, size, at, needed in work:
+            if preadv(fd, [view[at:at + size]], start) < needed:
                 raise OSError(f"short read at byte {start}: the neuron file is truncated")
-            out.append(bytes(buf[offset - start: offset - start + length]))
-        return out
 
-    def read(self, spans: list[tuple[int, int]]) -> tuple[list[bytes], int, float]:
-        """The bytes of each (offset, length) span; also the bytes transferred (whole aligned blocks) and
-        the seconds taken."""
-        start = time.perf_counter()
-        if self.pool is None or len(spans) < 2:
-            data = self._read_batch(0, spans)
+    def read(self, spans: list[tuple[int, int]]) -> tuple[list[np.ndarray], int, float]:
+        """The bytes of each (offset, length) span, as views valid until the next call; also the bytes
+        transferred (whole aligned blocks) and the seconds taken."""
+        start_time = time.perf_counter()
+        offsets = np.array([o for o, _ in spans], dtype=np.int64)
+        lengths = np.array([n for _, n in spans], dtype=np.int64)
+        starts = offsets // ALIGN * ALIGN
+        ends = np.minimum(-(-(offsets + lengths) // ALIGN) * ALIGN, -(-self.size // ALIGN) * ALIGN)
+        sizes = ends - starts
+        n_workers = max(1, min(self.workers, len(spans)))
+        worker = np.arange(len(spans)) % n_workers
+        at = np.zeros(len(spans), dtype=np.int64)
+        work = []
+        for w in range(n_workers):
+            mine = np.flatnonzero(worker == w)
+            at[mine] = np.concatenate([[0], np.cumsum(sizes[mine])[:-1]])
+            need = int(sizes[mine].sum())
+            if need > len(self.buffers[w]):
+                self.buffers[w] = mmap.mmap(-1, -(-need // ALIGN) * ALIGN)
+            work.append(list(zip(starts[mine].tolist(), sizes[mine].tolist(), at[mine].tolist(),
+                                 (offsets[mine] - starts[mine] + lengths[mine]).tolist(), strict=True)))
+        if n_workers == 1:
+            self._read_batch(0, work[0])
         else:
-            batches = [spans[i::self.workers] for i in range(self.workers)]
-            results = list(self.pool.map(self._read_batch, range(self.workers), batches))
-            data = [None] * len(spans)
-            for i, r in enumerate(results):
-                data[i::self.workers] = r
-        transferred = sum(min(-(-(o + n) // ALIGN) * ALIGN, -(-self.size // ALIGN) * ALIGN) - o // ALIGN * ALIGN
-                          for o, n in spans)
-        return data, transferred, time.perf_counter() - start
+            list(self.pool.map(self._read_batch, range(n_workers), work))
+        views = [np.frombuffer(self.buffers[w], dtype=np.uint8, count=int(n), offset=int(a + o - s))
+                 for w, a, o, s, n in zip(worker, at, offsets, starts, lengths, strict=True)]
+        return views, int(sizes.sum()), time.perf_counter() - start_time
