@@ -30,6 +30,18 @@ def token_windows(tokenizer, documents: list[str], window: int) -> list[list[int
     return windows
 
 
+def limit_tokens(windows: list[list[int]], tokens: int) -> list[list[int]]:
+    """The first windows, the last one cut, holding at most `tokens` tokens; windows too short to predict
+    anything from are dropped."""
+    out, total = [], 0
+    for w in windows:
+        if total >= tokens:
+            break
+        out.append(w[: tokens - total])
+        total += len(out[-1])
+    return [w for w in out if len(w) > 1]
+
+
 def negative_log_likelihoods(model, tokens: list[int], ffn_fns: list | None = None) -> np.ndarray:
     """-log p(token[i+1] | tokens[:i+1]) for each position, in one prefill; `ffn_fns` as in Model.__call__."""
     logits = to_numpy(model(tokens, model.make_cache(len(tokens)), ffn_fns)).astype(np.float64)[:-1]

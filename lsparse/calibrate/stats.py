@@ -4,21 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from lsparse.bench.quality import perplexity, read_documents, token_windows
+from lsparse.bench.quality import limit_tokens, perplexity, read_documents, token_windows
 from lsparse.calibrate.activations import HOT_SHARES, average, layer_stats, record_activations, thresholded_ffns
 from lsparse.errors import LsparseError
 from lsparse.model import load_model
 from lsparse.source import resolve
-
-
-def _limit(windows: list[list[int]], tokens: int) -> list[list[int]]:
-    out, total = [], 0
-    for w in windows:
-        if total >= tokens:
-            break
-        out.append(w[: tokens - total])
-        total += len(out[-1])
-    return [w for w in out if len(w) > 1]
 
 
 def compute_stats(spec: str, text: str, tokens: int = 4096, window: int = 512,
@@ -28,7 +18,7 @@ def compute_stats(spec: str, text: str, tokens: int = 4096, window: int = 512,
     if checkpoint.tokenizer is None:
         raise LsparseError(f"{checkpoint.location}: no tokenizer found")
     model = load_model(checkpoint, backend)
-    windows = _limit(token_windows(checkpoint.tokenizer, read_documents(text), window), tokens)
+    windows = limit_tokens(token_windows(checkpoint.tokenizer, read_documents(text), window), tokens)
     if not windows:
         raise LsparseError(f"{text}: no text to measure on")
     acts = record_activations(model, windows)

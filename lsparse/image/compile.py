@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import os
 import shutil
 import time
@@ -14,7 +15,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from lsparse import __version__
-from lsparse.bench.quality import read_documents, token_windows
+from lsparse.bench.quality import limit_tokens, read_documents, token_windows
 from lsparse.calibrate.activations import layer_stats
 from lsparse.calibrate.layerwise import calibrate_layers
 from lsparse.calibrate.layout import coactivation_order, read_stats
@@ -88,13 +89,8 @@ def relu_sparse(args) -> bool:
 
 
 def _calibration_windows(tokenizer, options: CompileOptions) -> tuple[list[list[int]], int]:
-    windows, total = [], 0
-    for w in token_windows(tokenizer, read_documents(options.calib), options.window):
-        if total >= options.calib_tokens:
-            break
-        windows.append(w[: options.calib_tokens - total])
-        total += len(windows[-1])
-    windows = [w for w in windows if len(w) > 1]
+    windows = limit_tokens(token_windows(tokenizer, read_documents(options.calib), options.window),
+                           options.calib_tokens)
     total = sum(len(w) for w in windows)
     if total < MIN_CALIBRATION_TOKENS:
         raise LsparseError(f"{options.calib}: {total} tokens of calibration text; at least "
@@ -221,7 +217,6 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None) -
                             "held_out_tokens": sum(len(w) for w in windows) - train_n},
             "files": files, "layers": layers,
         }
-        import json
         (tmp / MANIFEST).write_text(json.dumps(manifest) + "\n", encoding="utf-8")
         if out.exists():
             old = out.parent / f".{out.name}.old-{os.getpid()}"

@@ -96,7 +96,9 @@ class SparseFFN:
         self.hot = np.asarray(layer["hot"], dtype=np.int64)
         hot_rows = self.decode(resident["hot_bundles"], self.components)
         self.hot_rows = {c: _float(r) for c, r in hot_rows.items()}
-        self.exact_rows = _float(self.decode(resident["exact_rows"], (arch.EXACT_PROJECTION,))[arch.EXACT_PROJECTION])
+        if mode == "exact":  # only exact mode computes the whole gate; the others never hold it
+            exact = self.decode(resident["exact_rows"], (arch.EXACT_PROJECTION,))
+            self.exact_rows = _float(exact[arch.EXACT_PROJECTION])
         self.bias = {k: _float(resident[k]) for k in ("up_bias", "down_bias") if k in resident}
         self.threshold = layer["activation_threshold"]
         d_ff = layer["d_ff"]
@@ -219,13 +221,9 @@ class ImageModel:
 
 
 def _resident(path: Path) -> dict:
+    """A resident file's tensors: bundle bytes as uint8, the rest as float32."""
     f = SafetensorsFile(path)
-    return {name: (f.get(name) if f.entries[name][0] != "U8" else _raw(f, name)) for name in f.entries}
-
-
-def _raw(f: SafetensorsFile, name: str) -> np.ndarray:
-    _, dtype, shape, begin = f.entries[name]
-    return np.fromfile(f.path, dtype=np.uint8, count=int(np.prod(shape)), offset=f.data_start + begin).reshape(shape)
+    return {name: f.get(name, as_float=f.entries[name][0] != "U8") for name in f.entries}
 
 
 def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: float = 0.0,

@@ -61,6 +61,7 @@ def run(spec: str, prompt: str, max_tokens: int, *, mode: str | None = None, win
             raise LsparseError(f"{checkpoint.location}: no tokenizer found (for a llama2.c file, pass --tokenizer)")
         backend = backend or default_backend()
         model, tok, where = load_model(checkpoint, backend), checkpoint.tokenizer, checkpoint.location
+        ids = encode_prompt(tok, prompt, chat)
     else:
         from lsparse.image.format import load_manifest
         from lsparse.runtime.budget import parse_bytes
@@ -68,11 +69,10 @@ def run(spec: str, prompt: str, max_tokens: int, *, mode: str | None = None, win
         from lsparse.source.tokenizer import from_folder
         tok = from_folder(Path(spec), load_manifest(spec)["config"])
         ids = encode_prompt(tok, prompt, chat)
-        model, tok = load_image(spec, mode, window, threshold_shift, direct=direct,
-                                ram_budget=parse_bytes(ram_budget) if ram_budget else None,
-                                tokens=len(ids) + max_tokens)
+        model, _ = load_image(spec, mode, window, threshold_shift, direct=direct,
+                              ram_budget=parse_bytes(ram_budget) if ram_budget else None,
+                              tokens=len(ids) + max_tokens)
         backend, where = "numpy", spec
-    ids = encode_prompt(tok, prompt, chat)
     stats = GenerationStats()
     detok = StreamingDetokenizer(tok)
     for token in generate(model, ids, max_tokens, sample, tok.eos_ids, stats):

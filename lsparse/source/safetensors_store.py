@@ -48,7 +48,8 @@ class SafetensorsFile:
                                    f"{self.data_start + end}, the file has {size})")
             self.entries[name] = (info["dtype"], dtype, shape, begin)
 
-    def get(self, name: str) -> np.ndarray:
+    def get(self, name: str, as_float: bool = True) -> np.ndarray:
+        """The tensor as float32, or with `as_float=False` in its stored dtype (bfloat16 as its raw uint16)."""
         kind, dtype, shape, begin = self.entries[name]
         count = int(np.prod(shape))
         try:
@@ -57,6 +58,8 @@ class SafetensorsFile:
             raise LsparseError(f"{self.path}: cannot read tensor {name!r} ({e})") from None
         if a.size != count:
             raise LsparseError(f"{self.path}: tensor {name!r} is truncated")
+        if not as_float:
+            return a.reshape(shape)
         if kind == "BF16":
             a = (a.astype(np.uint32) << 16).view(np.float32)
         return a.reshape(shape).astype(np.float32, copy=False)
