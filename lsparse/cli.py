@@ -31,10 +31,6 @@ def main_options(
     state["debug"] = debug
 
 
-def _not_yet(what: str, issue: int):
-    raise LsparseError(f"{what} is not implemented yet (issue #{issue}); `lsparse run --dense MODEL` works today")
-
-
 @app.command()
 def run(
     model: str = typer.Argument(..., help="A flash image, or (dense) any checkpoint: builtin:NAME, a Hugging Face "
@@ -43,7 +39,8 @@ def run(
     max_tokens: int = typer.Option(100, "--max-tokens", "-m", min=1, help="Most tokens to generate."),
     dense: bool = typer.Option(False, "--dense", help="Every weight in RAM (the baseline)."),
     mode: Optional[str] = typer.Option(None, "--mode", help="For an image: exact (the gate resident, lossless), "
-                                                            "predicted, or dense. Default: exact."),
+                                                            "predicted, dense, or hybrid (the whole FFN read "
+                                                            "every token: a baseline). Default: exact."),
     window: int = typer.Option(5, "--window", min=1, help="Keep the neurons of the last k tokens in RAM."),
     threshold: float = typer.Option(0.0, "--threshold",
                                     help="Shift of the predictor's threshold (negative: load more neurons)."),
@@ -149,6 +146,8 @@ def compile_(
                                            help="Recall the predictor threshold aims at [0.99]."),
     threshold_sparsity: Optional[float] = typer.Option(None, "--threshold-sparsity", min=0.0, max=0.99,
                                                        help="SwiGLU models: share of activations cut [0.5]."),
+    layout: Optional[str] = typer.Option(None, "--layout", help="Cold-neuron order on flash: coactivation or "
+                                                                "natural [coactivation]."),
     force: bool = typer.Option(False, "--force", help="Replace an existing image."),
 ):
     """Calibrate a checkpoint layer by layer and write its flash image."""
@@ -158,7 +157,8 @@ def compile_(
     from lsparse.image.compile import CompileOptions, compile_image, load_preset
     settings = load_preset(config) if config else {}
     given = {"calib_tokens": calib_tokens, "bits": bits, "group_size": group_size, "hot_fraction": hot_fraction,
-             "predictor": predictor, "rank": rank, "recall": recall, "threshold_sparsity": threshold_sparsity}
+             "predictor": predictor, "rank": rank, "recall": recall, "threshold_sparsity": threshold_sparsity,
+             "layout": layout}
     settings.update({k: v for k, v in given.items() if v is not None})  # the command line wins over a preset
     options = CompileOptions(force=force, **settings)
     if calib:
@@ -183,9 +183,48 @@ def verify(image: str = typer.Argument(..., help="An image directory.")):
 
 
 @app.command()
-def bench(image: str = typer.Argument(...)):
-    """Baselines and ablations side by side (to come: issue #7)."""
-    _not_yet("lsparse bench", 7)
+def bench(
+    image: str = typer.Argument(..., help="A flash image. Its ablation variants are compiled from its source."),
+    text: Optional[list[str]] = typer.Option(None, "--text", help="Held-out text (repeatable): prompts come from "
+                                                                  "the first, perplexity is measured on each."),
+    prompts: int = typer.Option(2, "--prompts", min=1, help="Prompts, each from its own document."),
+    prompt_tokens: int = typer.Option(128, "--prompt-tokens", min=1, help="Tokens of each prompt."),
+    gen_tokens: int = typer.Option(256, "--gen-tokens", min=1, help="Greedy tokens generated per prompt."),
+    quality_tokens: int = typer.Option(4096, "--quality-tokens", min=2, help="Tokens of each text for perplexity."),
+    rungs: Optional[str] = typer.Option(None, "--rungs", help="Comma-separated rungs to run (default: all)."),
+    budgets: str = typer.Option("0.25,0.5,0.75", "--budgets",
+                                help="Shares of the dense model's RAM for the full system's sweep ('' for none)."),
+    variants: Optional[str] = typer.Option(None, "--variants", help="Where variant images go [IMAGE.variants]."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
+    csv: Optional[str] = typer.Option(None, "--csv", help="Also write the rows as CSV here."),
+    plot: Optional[str] = typer.Option(None, "--plot", help="Also write a PNG of latency against RAM here."),
+):
+    """LLM in a Flash's ladder: naive, hybrid, +predictor, +window, +bundles, +hot, +4-bit, exact, dense."""
+    from pathlib import Path
+
+    from rich.console import Console
+
+    from lsparse.bench.ladder import BenchOptions, plot_ladder, print_ladder, write_csv
+    from lsparse.bench.ladder import bench as run_ladder
+    try:
+        shares = tuple(float(v) for v in budgets.split(",") if v.strip())
+    except ValueError:
+        raise LsparseError(f"--budgets must be comma-separated shares, got {budgets!r}") from None
+    options = BenchOptions(texts=[Path(t) for t in text or []], prompts=prompts, prompt_tokens=prompt_tokens,
+                           gen_tokens=gen_tokens, quality_tokens=quality_tokens, budgets=shares,
+                           variants_dir=Path(variants) if variants else None,
+                           rungs=[r.strip() for r in rungs.split(",")] if rungs else None)
+    err = Console(stderr=True)
+    with err.status("benchmarking") as status:
+        result = run_ladder(image, options, progress=lambda m: status.update(m))
+    if csv:
+        write_csv(result, csv)
+    if plot:
+        plot_ladder(result, plot)
+    if as_json:
+        typer.echo(json.dumps(result, indent=2))
+    else:
+        print_ladder(result)
 
 
 def main():

@@ -18,11 +18,10 @@ def test_help_lists_the_commands():
         assert command in result.stdout
 
 
-@pytest.mark.parametrize("args,issue", [(["bench", "x"], 7)])
-def test_unfinished_commands_say_so_and_fail(args, issue):
-    result = lsparse(*args)
+def test_bench_refuses_what_is_not_an_image_in_one_line(tmp_path):
+    result = lsparse("bench", str(tmp_path), "--text", "x.txt")
     assert result.returncode == 1
-    assert f"not implemented yet (issue #{issue})" in result.stderr
+    assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1
 
 
 def test_dense_run_json_is_greedy_and_reproducible():

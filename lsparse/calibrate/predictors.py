@@ -86,4 +86,5 @@ def prediction_quality(predicted: np.ndarray, active: np.ndarray, activations: n
     return {"recall": float(true_pos / max(active.sum(), 1)),
             "precision": float(true_pos / max(predicted.sum(), 1)),
             "predicted_fraction": float(predicted.mean()),
+            "max_predicted_fraction": float(predicted.mean(axis=1).max()),
             "false_negative_mass": float(mass[active & ~predicted].sum() / max(mass.sum(), 1e-12))}

@@ -56,12 +56,14 @@ class CompileOptions:
     held_out: float = 0.2
     max_gap_bytes: int = 16384        # layout report: read through gaps smaller than this
     predictor_epochs: int = 30
+    layout: str = "coactivation"      # or "natural": cold neurons in id order (the ablation bench runs)
     force: bool = False
 
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 PRESET_KEYS = ("calib_tokens", "bits", "group_size", "hot_fraction", "predictor", "rank", "recall",
-               "threshold_sparsity", "predictor_epochs")
+               "threshold_sparsity", "predictor_epochs", "layout")
+LAYOUTS = ("coactivation", "natural")
 
 
 def load_preset(name: str) -> dict:
@@ -115,7 +117,7 @@ def _compile_layer(cal, arch, args, options: CompileOptions, train_n: int, tmp: 
     scores = neuron_scores(active[tr], acts[tr], inputs, w["down"], cal.input_norms)
     hot = hot_set(scores["score"], options.hot_fraction)
     cold = np.setdiff1d(np.arange(d_ff), hot)
-    cold_order = cold[coactivation_order(active[tr][:, cold])]
+    cold_order = cold[coactivation_order(active[tr][:, cold])] if options.layout == "coactivation" else cold
 
     size = stride(w["down"].shape[0], len(arch.BUNDLE), options.bits, options.group_size)
     gap = options.max_gap_bytes // size
@@ -166,7 +168,8 @@ def _compile_layer(cal, arch, args, options: CompileOptions, train_n: int, tmp: 
                        "sha256": hashlib.sha256(region).hexdigest()},
             "predictor": {"rank": None if options.predictor == "exact" else rank, "threshold": predictor_threshold,
                           "quality": quality},
-            "calibration": {"active_fraction": float(active.mean()), "held_out_hot_share": hot_share,
+            "calibration": {"active_fraction": float(active.mean()),
+                            "max_active_fraction": float(active.mean(axis=1).max()), "held_out_hot_share": hot_share,
                             "held_out_window_union": held["window_union_fraction"]},
             "layout": layout, "quantization_error": quant_error}
 
@@ -175,6 +178,8 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None) -
     """Write the image of `spec` to `out`; returns its manifest. Nothing is left at `out` unless it completes."""
     if options.predictor not in KINDS:
         raise LsparseError(f"unknown predictor {options.predictor!r} (choose from {', '.join(KINDS)})")
+    if options.layout not in LAYOUTS:
+        raise LsparseError(f"unknown layout {options.layout!r} (choose from {', '.join(LAYOUTS)})")
     out = Path(out)
     if out.exists() and not options.force:
         raise LsparseError(f"{out} already exists (pass --force to replace it)")
@@ -215,6 +220,7 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None) -
             "predictor": {"kind": options.predictor, "recall_target": options.recall},
             "calibration": {"text": str(options.calib), "tokens": sum(len(w) for w in windows),
                             "held_out_tokens": sum(len(w) for w in windows) - train_n},
+            "options": {k: getattr(options, k) for k in PRESET_KEYS},
             "files": files, "layers": layers,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest) + "\n", encoding="utf-8")

@@ -20,7 +20,8 @@ from lsparse.runtime.reader import DEFAULT_GAP_BYTES, FlashReader, coalesce
 from lsparse.source.safetensors_store import SafetensorsFile
 from lsparse.source.tokenizer import from_folder
 
-MODES = ("exact", "predicted", "dense")
+MODES = ("exact", "predicted", "dense", "hybrid")
+HYBRID_READ_BYTES = 1 << 20  # hybrid streams each region in requests of this size, spread over the workers
 
 
 @dataclass
@@ -66,30 +67,33 @@ class NeuronCache:
         self.slot_of[self.neuron_of[stale]] = -1
         self.neuron_of[stale] = -1
 
-    def insert(self, neurons: np.ndarray, rows: np.ndarray) -> None:
+    def insert(self, neurons: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """Place neurons' rows in free slots, then in those of the least recently used, never in this token's.
+        Returns which were placed: a token needing more than the cache holds keeps the rest for itself."""
         free = np.flatnonzero(self.neuron_of < 0)
-        if len(free) < len(neurons):  # more than the budget holds: the least recently used go, never this token's
+        if len(free) < len(neurons):
             used = np.flatnonzero((self.neuron_of >= 0) & (self.last_used < self.clock))
-            if len(free) + len(used) < len(neurons):
-                raise LsparseError(f"a token needs {len(neurons) + len(self.neuron_of) - len(free) - len(used)} "
-                                   f"neurons of a layer whose cache holds {len(self.neuron_of)}: raise --ram-budget")
             victims = used[np.argsort(self.last_used[used])][: len(neurons) - len(free)]
             self.slot_of[self.neuron_of[victims]] = -1
             self.neuron_of[victims] = -1
             free = np.flatnonzero(self.neuron_of < 0)
-        slots = free[: len(neurons)]
-        self.rows[slots] = rows
-        self.slot_of[neurons] = slots
-        self.neuron_of[slots] = neurons
+        n = min(len(free), len(neurons))
+        slots = free[:n]
+        self.rows[slots] = rows[:n]
+        self.slot_of[neurons[:n]] = slots
+        self.neuron_of[slots] = neurons[:n]
         self.last_used[slots] = self.clock
+        return np.arange(len(neurons)) < n
 
 
 class SparseFFN:
     """One layer's FFN from the image: hot neurons resident, cold ones read on demand."""
 
     def __init__(self, arch, args, meta: dict, layer: dict, resident: dict, reader: FlashReader | None,
-                 mode: str, window: int, threshold_shift: float, costs: CostLog, gap_bytes: int, capacity: int):
+                 mode: str, window: int, threshold_shift: float, costs: CostLog, gap_bytes: int, capacity: int,
+                 bundled: bool = True):
         self.arch, self.args, self.mode, self.reader, self.costs = arch, args, mode, reader, costs
+        self.bundled = bundled
         q, b = meta["quantization"], meta["bundle"]
         self.components, self.stride, d = tuple(b["components"]), b["stride"], b["d_model"]
         self.decode = lambda data, comps: decode_bundles(data, comps, d, q["bits"], q["group_size"])
@@ -105,7 +109,8 @@ class SparseFFN:
         self.position = np.full(d_ff, -1, dtype=np.int64)  # a cold neuron's bundle index in its region
         self.position[np.asarray(layer["cold_order"], dtype=np.int64)] = np.arange(len(layer["cold_order"]))
         self.is_cold = self.position >= 0
-        self.region = layer["region"]["offset"]
+        self.cold_in_file_order = np.asarray(layer["cold_order"], dtype=np.int64)
+        self.region, self.region_size = layer["region"]["offset"], layer["region"]["size"]
         self.predictor = {k: _float(resident[k]) for k in ("A", "B", "bias", "W1", "W2", "b2") if k in resident}
         self.kind = meta["predictor"]["kind"]
         if mode == "exact" and (self.threshold > 0 or getattr(args, "hidden_act", "relu") in ("silu", "swish")):
@@ -115,7 +120,7 @@ class SparseFFN:
             raise LsparseError("this image was compiled with --predictor exact: run it in exact or dense mode")
         if layer["predictor"]["threshold"] is not None:
             self.predictor_threshold = layer["predictor"]["threshold"] + threshold_shift
-        # exact mode reads the rows ahead of the resident projection; predicted mode reads whole bundles
+        # exact mode reads the rows ahead of the resident projection; the others read whole bundles
         self.read_rows = self.components[: b["exact_prefix"]] if mode == "exact" else self.components
         self.row_bytes = b["row_bytes"]
         self.cache = NeuronCache(d_ff, capacity, len(self.read_rows), d, window)
@@ -137,6 +142,8 @@ class SparseFFN:
         return a
 
     def __call__(self, args, w, x, xp):
+        if self.mode == "hybrid":
+            return self._stream_all(x)
         cost = self.costs.steps[-1]
         start = time.perf_counter()
         if self.mode == "exact":
@@ -158,33 +165,79 @@ class SparseFFN:
         cost.lookups += len(needed)
         cost.hits += len(needed) - len(missing)
         io = 0.0
+        overflow, overflow_rows = missing[:0], None
         if len(missing):
-            prefix = len(self.read_rows) * self.row_bytes
-            runs = coalesce(self.position[missing], self.stride, self.region, self.gap_bytes)
-            try:
-                data, transferred, io = self.reader.read([(off, length) for off, length, _ in runs])
-            except OSError as e:
-                raise LsparseError(f"reading neuron bundles failed ({e}); run lsparse verify on the image") from None
-            order = np.argsort(self.position[missing])  # the runs hold the missing neurons in file order
-            rows = np.concatenate([chunk.reshape(-1, self.stride)[run - run[0], :prefix]
-                                   for (_, _, run), chunk in zip(runs, data, strict=True)])
+            order = np.argsort(self.position[missing])
+            rows, io = self._read(self.position[missing[order]], len(self.read_rows) * self.row_bytes)
             decoded = self.decode(rows, self.read_rows)
             block = np.stack([decoded[c] for c in self.read_rows], axis=1)
-            cache.insert(missing[order], block)
-            cost.bytes_needed += len(missing) * prefix
-            cost.bytes_read += transferred
-            cost.requests += len(runs)
-        cache.last_used[cache.slot_of[needed]] = cache.clock
-        slots = cache.slot_of[needed]
+            placed = cache.insert(missing[order], block)
+            overflow, overflow_rows = missing[order][~placed], block[~placed]
+        cached = needed[cache.slot_of[needed] >= 0]
+        slots = cache.slot_of[cached]
+        cache.last_used[slots] = cache.clock
         cost.io_s += io
         cost.mem_s += time.perf_counter() - start - io
 
         start = time.perf_counter()
         rows = {c: cache.rows[slots, k] for k, c in enumerate(self.read_rows)}
-        out = self._partial(x, self.hot, self.hot_rows, pre_all) + self._partial(x, needed, rows, pre_all)
+        out = self._partial(x, self.hot, self.hot_rows, pre_all) + self._partial(x, cached, rows, pre_all)
+        if len(overflow):
+            extra = {c: overflow_rows[:, k] for k, c in enumerate(self.read_rows)}
+            out = out + self._partial(x, overflow, extra, pre_all)
         if "down_bias" in self.bias:
             out = out + self.bias["down_bias"]
         cost.compute_s += time.perf_counter() - start + compute
+        return out
+
+    def _read(self, positions: np.ndarray, prefix: int) -> tuple[np.ndarray, float]:
+        """The first `prefix` bytes of the bundles at these sorted file positions, one row of bytes each, and
+        the I/O seconds. Bundled: neighbours coalesced under the gap rule. Unbundled (the ablation): each row
+        of each neuron is a request of its own, as when gate rows, up rows and down columns are stored apart."""
+        cost = self.costs.steps[-1]
+        if self.bundled:
+            runs = coalesce(positions, self.stride, self.region, self.gap_bytes)
+            spans = [(off, length) for off, length, _ in runs]
+        else:
+            rows = np.arange(prefix // self.row_bytes) * self.row_bytes
+            starts = self.region + positions[:, None] * self.stride + rows
+            spans = [(off, self.row_bytes) for off in starts.ravel().tolist()]
+        try:
+            data, transferred, io = self.reader.read(spans)
+        except OSError as e:
+            raise LsparseError(f"reading neuron bundles failed ({e}); run lsparse verify on the image") from None
+        if self.bundled:
+            rows = np.concatenate([chunk.reshape(-1, self.stride)[run - run[0], :prefix]
+                                   for (_, _, run), chunk in zip(runs, data, strict=True)])
+        else:
+            rows = np.concatenate(data).reshape(len(positions), prefix)
+        cost.bytes_needed += len(positions) * prefix
+        cost.bytes_read += transferred
+        cost.requests += len(spans)
+        return rows, io
+
+    def _stream_all(self, x):
+        """The hybrid baseline: every cold bundle of the layer read and decoded, used once, then dropped."""
+        cost = self.costs.steps[-1]
+        start = time.perf_counter()
+        size = self.region_size
+        spans = [(self.region + at, min(HYBRID_READ_BYTES, size - at)) for at in range(0, size, HYBRID_READ_BYTES)]
+        try:
+            data, transferred, io = self.reader.read(spans)
+        except OSError as e:
+            raise LsparseError(f"reading neuron bundles failed ({e}); run lsparse verify on the image") from None
+        decoded = self.decode(np.concatenate(data).reshape(-1, self.stride), self.components)
+        cost.bytes_needed += size
+        cost.bytes_read += transferred
+        cost.requests += len(spans)
+        cost.io_s += io
+        cost.mem_s += time.perf_counter() - start - io
+        start = time.perf_counter()
+        out = (self._partial(x, self.hot, self.hot_rows, None)
+               + self._partial(x, self.cold_in_file_order, decoded, None))
+        if "down_bias" in self.bias:
+            out = out + self.bias["down_bias"]
+        cost.compute_s += time.perf_counter() - start
         return out
 
     def _partial(self, x, neurons, rows, pre_all):
@@ -207,7 +260,9 @@ class ImageModel:
         self.model, self.ffns, self.costs, self.meta, self.reader = model, ffns, costs, meta, reader
         self.xp, self.make_cache, self.context_length = model.xp, model.make_cache, model.context_length
 
-    def __call__(self, tokens, cache):
+    def __call__(self, tokens, cache, ffn_fns=None):
+        if ffn_fns is not None:
+            raise ValueError("an image model's FFNs are its own")
         self.costs.start()
         if self.ffns is None or len(tokens) == 1:
             return self.model(tokens, cache, self.ffns)
@@ -228,9 +283,10 @@ def _resident(path: Path) -> dict:
 
 def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: float = 0.0,
                gap_bytes: int = DEFAULT_GAP_BYTES, direct: bool = True, workers: int = 4,
-               ram_budget: int | None = None, tokens: int = 2048):
+               ram_budget: int | None = None, tokens: int = 2048, bundled: bool = True):
     """(ImageModel, tokenizer) for an image, in one of MODES; with `ram_budget`, the neuron caches are sized to
-    fit it (for `tokens` of context) or the budget is refused."""
+    fit it (for `tokens` of context) or the budget is refused. `bundled=False` reads each row of a neuron
+    apart (an ablation: what bundling saves)."""
     if mode not in MODES:
         raise LsparseError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
     image = Path(image)
@@ -251,7 +307,7 @@ def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: flo
             weights.update(_dense_ffn(image, meta, layer, resident))
         else:
             ffns.append(SparseFFN(arch, args, meta, layer, resident, reader, mode, window, threshold_shift, costs,
-                                  gap_bytes, memory["cache_slots"][layer["index"]]))
+                                  gap_bytes, memory["cache_slots"][layer["index"]], bundled))
         layers.append(weights)
     model = Model(arch, args, globals_, layers, np)
     tokenizer = from_folder(image, meta["config"])

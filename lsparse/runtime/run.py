@@ -53,7 +53,7 @@ def run(spec: str, prompt: str, max_tokens: int, *, mode: str | None = None, win
         threshold_shift: float = 0.0, temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
         chat: bool = True, revision: str | None = None, tokenizer: str | None = None, backend: str | None = None,
         as_json: bool = False, direct: bool = True, ram_budget: str | None = None, out=sys.stdout) -> dict:
-    """`mode` None: dense decoding of a checkpoint; exact, predicted or dense: decoding from an image."""
+    """`mode` None: dense decoding of a checkpoint; exact, predicted, dense or hybrid: decoding from an image."""
     sample = make_sampler(temp, top_p, seed)
     if mode is None:
         checkpoint = resolve(spec, revision, tokenizer)
@@ -85,7 +85,7 @@ def run(spec: str, prompt: str, max_tokens: int, *, mode: str | None = None, win
     if mode is not None:
         result["memory_plan"] = {k: v for k, v in model.memory_plan.items() if k != "cache_slots"}
         result["ram_budget"] = parse_bytes(ram_budget) if ram_budget else None
-    if mode in ("exact", "predicted"):
+    if mode in ("exact", "predicted", "hybrid"):
         result["flash"] = flash_report(model)
         model.reader.close()
     if as_json:

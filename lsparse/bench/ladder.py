@@ -1,0 +1,377 @@
+"""`lsparse bench IMAGE`: LLM in a Flash's ladder of configurations, run side by side on the same prompts,
+each with its cost per token and its quality against dense.
+
+Each rung adds one idea to the one before: naive (every byte of the model read each token), hybrid (all but
+the FFN resident, the whole FFN read each token), + predictor, + window, + bundles and co-activation layout,
++ hot neurons, + 4-bit; exact mode and dense with everything in RAM close the table. Rungs that need another
+image (fp16, natural order, no hot neurons) get it by compiling the image's source again with its recorded
+options and one change, once, into a variants folder. Each rung runs in a process of its own, so that its
+peak memory is its own.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from lsparse.errors import LsparseError
+
+# Image variants as changes to the compile options recorded in the image; None: the image itself.
+VARIANTS = {
+    "fp16-natural": {"bits": 16, "hot_fraction": 0.0, "layout": "natural"},
+    "fp16-layout": {"bits": 16, "hot_fraction": 0.0, "layout": "coactivation"},
+    "fp16-hot": {"bits": 16, "layout": "coactivation"},
+    "4bit-hot": {"bits": 4, "layout": "coactivation"},
+}
+
+
+@dataclass
+class Rung:
+    name: str
+    variant: str
+    mode: str               # naive, hybrid, predicted, exact, dense
+    window: int = 5
+    bundled: bool = True
+    gap_bytes: int | None = None  # None: the reader's default gap rule
+    budget: int | None = None     # bytes; None: unlimited
+    note: str = ""
+
+
+LADDER = [
+    Rung("naive", "fp16-natural", "naive", note="every byte of the image read each token; computed from RAM"),
+    Rung("hybrid", "fp16-natural", "hybrid", note="all but the FFN resident; the whole FFN read each token"),
+    Rung("+predictor", "fp16-natural", "predicted", window=1, bundled=False, gap_bytes=0,
+         note="only predicted neurons read; rows read apart, no reuse"),
+    Rung("+window", "fp16-natural", "predicted", window=5, bundled=False, gap_bytes=0,
+         note="neurons of the last 5 tokens kept"),
+    Rung("+bundles+layout", "fp16-layout", "predicted", note="row-column bundles, co-activation order, gap rule"),
+    Rung("+hot", "fp16-hot", "predicted", note="hot neurons pinned in RAM"),
+    Rung("+4-bit", "4bit-hot", "predicted", note="4-bit bundles: the full system"),
+    Rung("exact 4-bit", "4bit-hot", "exact", note="gate resident: lossless against dense 4-bit"),
+    Rung("dense 4-bit", "4bit-hot", "dense", note="every weight in RAM"),
+    Rung("dense fp16", "fp16-natural", "dense", note="every weight in RAM: the reference"),
+]
+
+
+@dataclass
+class BenchOptions:
+    texts: list = field(default_factory=list)   # held-out text files: prompts come from the first
+    prompts: int = 2
+    prompt_tokens: int = 128
+    gen_tokens: int = 256
+    quality_tokens: int = 4096
+    variants_dir: Path | None = None
+    rungs: list | None = None                    # names; None: all
+    budgets: tuple = (0.25, 0.5, 0.75)           # shares of the dense model for the latency-memory sweep
+    workers: int = 4
+
+
+def variant_images(image: Path, needed: set[str], folder: Path, progress=print) -> dict[str, Path]:
+    """The image for each variant, compiled from the image's source when its options differ."""
+    from lsparse.image.compile import CompileOptions, compile_image
+    from lsparse.image.format import load_manifest
+    meta = load_manifest(image)
+    recorded = meta.get("options")
+    if recorded is None:
+        raise LsparseError(f"{image} does not record its compile options (compiled by an older lsparse): "
+                           "compile it again to bench it")
+    base = {**recorded, "calib": Path(meta["calibration"]["text"])}
+    if base["predictor"] == "exact":
+        base["predictor"] = "lowrank"  # the predicted rungs need a predictor
+    images = {}
+    for name in sorted(needed):
+        options = {**base, **VARIANTS[name]}
+        if all(recorded.get(k) == v for k, v in options.items() if k != "calib"):
+            images[name] = image
+            continue
+        out = folder / name
+        if (out / "manifest.json").exists() and load_manifest(out).get("source") == meta["source"] \
+                and load_manifest(out).get("options") == {k: options[k] for k in recorded}:
+            images[name] = out
+            continue
+        progress(f"compiling the {name} variant of {meta['source']} into {out}")
+        compile_image(meta["source"], str(out), CompileOptions(force=True, **options))
+        images[name] = out
+    return images
+
+
+def prompt_and_quality_windows(tokenizer, options: BenchOptions) -> tuple[list[list[int]], dict]:
+    """Prompts of `prompt_tokens` from the first text's documents, and per text the windows perplexity
+    is measured on."""
+    from lsparse.bench.quality import limit_tokens, read_documents, token_windows
+    if not options.texts:
+        raise LsparseError("bench needs held-out text: pass --text FILE (for example TinyStories validation)")
+    docs = read_documents(options.texts[0])
+    prompts = [ids[: options.prompt_tokens] for ids in (tokenizer.encode(d) for d in docs)
+               if len(ids) >= options.prompt_tokens][: options.prompts]
+    if len(prompts) < options.prompts:
+        raise LsparseError(f"{options.texts[0]}: fewer than {options.prompts} documents of "
+                           f"{options.prompt_tokens} tokens for prompts")
+    windows = {str(t): limit_tokens(token_windows(tokenizer, read_documents(t), 512), options.quality_tokens)
+               for t in options.texts}
+    return prompts, windows
+
+
+def run_rung(spec: dict) -> dict:
+    """One rung, in this process: greedy generation from each prompt, its costs, and (when asked) perplexity."""
+    from lsparse.bench.quality import perplexity
+    from lsparse.runtime.generate import GenerationStats, generate, peak_rss_bytes
+    from lsparse.runtime.image_model import load_image
+    from lsparse.runtime.run import flash_report
+    from lsparse.runtime.sampling import make_sampler
+
+    rung = Rung(**spec["rung"])
+    kwargs = {"window": rung.window, "bundled": rung.bundled, "workers": spec["workers"],
+              "tokens": spec["context"], "ram_budget": rung.budget}
+    if rung.gap_bytes is not None:
+        kwargs["gap_bytes"] = rung.gap_bytes
+    mode = "dense" if rung.mode == "naive" else rung.mode
+    model, tokenizer = load_image(spec["image"], mode, **kwargs)
+    if rung.mode == "naive":
+        model = NaiveModel(model, Path(spec["image"]), spec["workers"])
+    result = {"tokens": [], "prompt_tps": [], "generation_tps": [], "flash": []}
+    for prompt in spec["prompts"]:
+        model.costs.steps.clear()
+        stats = GenerationStats()
+        result["tokens"].append(list(generate(model, prompt, spec["gen_tokens"], make_sampler(), set(), stats)))
+        result["generation_tps"].append(stats.generation_tps)
+        if model.reader is not None:
+            result["flash"].append(flash_report(model))
+    result["peak_memory_bytes"] = peak_rss_bytes()
+    result["memory_plan"] = {k: v for k, v in model.memory_plan.items() if k != "cache_slots"}
+    quality_model = model.dense if rung.mode == "naive" else model  # the same arithmetic, without the reads
+    result["perplexity"] = {name: perplexity(quality_model, w) for name, w in spec["quality"].items()}
+    getattr(model, "close", model.reader.close if model.reader else lambda: None)()
+    return result
+
+
+class NaiveModel:
+    """The naive baseline: before each token, every file of the image is read from flash (timed and
+    counted); the arithmetic then uses the copy already in RAM, so only the reading is emulated."""
+
+    def __init__(self, dense, image: Path, workers: int):
+        from lsparse.runtime.image_model import HYBRID_READ_BYTES
+        from lsparse.runtime.reader import FlashReader
+        self.dense, self.costs, self.memory_plan = dense, dense.costs, dense.memory_plan
+        self.xp, self.make_cache, self.context_length = dense.xp, dense.make_cache, dense.context_length
+        files = [p for p in sorted(image.rglob("*")) if p.is_file() and p.name != "manifest.json"]
+        self.readers = [FlashReader(p, workers=workers) for p in files]
+        self.spans = [[(at, min(HYBRID_READ_BYTES, r.size - at)) for at in range(0, r.size, HYBRID_READ_BYTES)]
+                      for r in self.readers]
+        self.reader = self.readers[0]
+        self.dense_ffn_bytes = dense.dense_ffn_bytes
+
+    def __call__(self, tokens, cache):
+        out = []
+        for t in tokens:
+            self.costs.start()
+            cost = self.costs.steps[-1]
+            for reader, spans in zip(self.readers, self.spans, strict=True):
+                _, transferred, io = reader.read(spans)
+                cost.bytes_read += transferred
+                cost.bytes_needed += sum(n for _, n in spans)
+                cost.requests += len(spans)
+                cost.io_s += io
+            out.append(self.dense.model([t], cache))
+        return np.concatenate(out)
+
+    def close(self):
+        for r in self.readers:
+            r.close()
+
+
+def _summary(rung: Rung, result: dict, reference: dict | None) -> dict:
+    """One table row: means over prompts."""
+    row = {"rung": rung.name, "mode": rung.mode, "window": rung.window, "bundled": rung.bundled,
+           "budget_bytes": rung.budget, "note": rung.note,
+           "tokens_per_second": float(np.mean(result["generation_tps"])),
+           "peak_memory_bytes": result["peak_memory_bytes"], "planned_ram_bytes": result["memory_plan"]["total"],
+           # what the plan holds of the model itself: without the process and the KV cache
+           "model_ram_bytes": 0 if rung.mode == "naive" else result["memory_plan"]["total"]
+           - result["memory_plan"]["process"] - result["memory_plan"]["kv_cache"],
+           "perplexity": result["perplexity"]}
+    if result["flash"]:
+        f = {k: float(np.mean([r[k] for r in result["flash"]])) for k in result["flash"][0] if k != "direct_io"}
+        row.update({"bytes_per_token": f["bytes_read_per_token"], "bytes_needed_per_token": f["bytes_needed_per_token"],
+                    "reads_per_token": f["reads_per_token"], "mean_read_bytes": f["mean_read_bytes"],
+                    "effective_gbps": f["bytes_read_per_token"] / (f["io_ms_per_token"] * 1e6)
+                    if f["io_ms_per_token"] else None,
+                    "io_ms": f["io_ms_per_token"], "mem_ms": f["mem_ms_per_token"],
+                    "compute_ms": f["compute_ms_per_token"], "cache_hit_rate": f["cache_hit_rate"],
+                    "direct_io": all(r["direct_io"] for r in result["flash"])})
+    else:
+        row.update({k: None for k in ("bytes_per_token", "bytes_needed_per_token", "reads_per_token",
+                                      "mean_read_bytes", "effective_gbps", "io_ms", "mem_ms", "compute_ms",
+                                      "cache_hit_rate", "direct_io")})
+        row["bytes_per_token"] = 0.0
+    if reference is not None:
+        same = [np.mean(np.equal(a, b)) for a, b in zip(result["tokens"], reference["tokens"], strict=True)]
+        prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
+                  for a, b in zip(result["tokens"], reference["tokens"], strict=True)]
+        row["greedy_agreement"] = float(np.mean(same))
+        row["identical_prefix_tokens"] = int(min(prefix))
+    return row
+
+
+def bench(image, options: BenchOptions, progress=print) -> dict:
+    """Every rung on the same prompts; returns {"rows": [...], "sweep": [...], "image": ..., ...}."""
+    from lsparse.image.format import check_for_run, load_manifest
+    from lsparse.source.tokenizer import from_folder
+    image = Path(image)
+    meta = load_manifest(image)
+    check_for_run(image, meta)
+    rungs = [r for r in LADDER if options.rungs is None or r.name in options.rungs]
+    if options.rungs is not None and len(rungs) != len(options.rungs):
+        unknown = sorted(set(options.rungs) - {r.name for r in LADDER})
+        raise LsparseError(f"unknown rung(s) {', '.join(unknown)} (known: {', '.join(r.name for r in LADDER)})")
+    folder = options.variants_dir or image.parent / f"{image.name}.variants"
+    images = variant_images(image, {r.variant for r in rungs}, folder, progress)
+    prompts, windows = prompt_and_quality_windows(from_folder(image, meta["config"]), options)
+    context = options.prompt_tokens + options.gen_tokens
+    if context > meta["config"].get("max_position_embeddings", context):
+        raise LsparseError(f"{options.prompt_tokens} prompt + {options.gen_tokens} generated tokens exceed the "
+                           f"model's context of {meta['config']['max_position_embeddings']}")
+
+    results, quality_done = {}, {}
+    for rung in rungs:
+        progress(f"rung {rung.name}")
+        # the same arithmetic gives the same perplexity: measure it once per image and compute path
+        key = (rung.variant, "dense" if rung.mode in ("naive", "dense") else rung.mode)
+        spec = {"rung": asdict(rung), "image": str(images[rung.variant]), "prompts": prompts,
+                "gen_tokens": options.gen_tokens, "workers": options.workers, "context": context,
+                "quality": {} if key in quality_done else windows}
+        results[rung.name] = _in_subprocess(spec)
+        if key in quality_done:
+            results[rung.name]["perplexity"] = quality_done[key]
+        quality_done[key] = results[rung.name]["perplexity"]
+
+    def reference_for(rung):
+        bits = "4bit" if rung.variant.startswith("4bit") else "fp16"
+        name = f"dense {'4-bit' if bits == '4bit' else 'fp16'}"
+        return results.get(name)
+
+    rows = [_summary(r, results[r.name], reference_for(r)) for r in rungs]
+    sweep = []
+    full = next((r for r in rungs if r.name == "+4-bit"), None)
+    dense_row = next((row for row in rows if row["rung"] == "dense fp16"), None)
+    if full is not None and dense_row is not None and options.budgets:
+        fixed = dense_row["planned_ram_bytes"] - dense_row["model_ram_bytes"]
+        for share in options.budgets:
+            budget = fixed + int(share * dense_row["model_ram_bytes"])
+            rung = Rung(f"+4-bit at {share:.0%}", full.variant, full.mode, budget=budget)
+            progress(f"rung {rung.name} of the dense model's RAM")
+            spec = {"rung": asdict(rung), "image": str(images[full.variant]), "prompts": prompts[:1],
+                    "gen_tokens": options.gen_tokens, "workers": options.workers, "context": context, "quality": {}}
+            try:
+                result = _in_subprocess(spec)
+            except LsparseError as e:
+                sweep.append({"rung": rung.name, "budget_bytes": budget, "refused": str(e)})
+                continue
+            row = _summary(rung, result, None)
+            row["perplexity"] = quality_done.get((full.variant, full.mode), {})
+            sweep.append(row)
+    return {"image": str(image), "source": meta["source"], "prompts": len(prompts),
+            "prompt_tokens": options.prompt_tokens, "gen_tokens": options.gen_tokens,
+            "texts": [str(t) for t in options.texts], "quality_tokens": options.quality_tokens,
+            "predictor_quality": predictor_quality(load_manifest(images.get("4bit-hot", image))),
+            "rows": rows, "sweep": sweep}
+
+
+def predictor_quality(meta: dict) -> dict:
+    """The compile-time, held-out predictor figures, averaged over layers."""
+    q = [layer["predictor"]["quality"] for layer in meta["layers"]]
+    return {k: float(np.mean([x[k] for x in q])) for k in q[0] if isinstance(q[0][k], (int, float))}
+
+
+def _in_subprocess(spec: dict) -> dict:
+    done = subprocess.run([sys.executable, "-m", "lsparse.bench.ladder"], input=json.dumps(spec),
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        lines = (done.stderr.strip() or "no output").splitlines()
+        raise LsparseError(f"rung {spec['rung']['name']} failed: {lines[-1]}")
+    return json.loads(done.stdout)
+
+
+def print_ladder(result: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+    console = console or Console(width=None if sys.stdout.isatty() else 170)
+    texts = result["texts"]
+    table = Table(title=f"lsparse bench {result['image']}: {result['prompts']} prompts of "
+                        f"{result['prompt_tokens']} tokens, {result['gen_tokens']} generated")
+    for col in ("rung", "KB/token", "reads/token", "KB/read", "GB/s", "io ms", "mem ms", "compute ms", "tok/s",
+                "peak MB", *[f"ppl {Path(t).stem}" for t in texts], "greedy =", "same prefix"):
+        table.add_column(col, justify="left" if col == "rung" else "right")
+
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    for row in result["rows"] + [r for r in result["sweep"] if "refused" not in r]:
+        table.add_row(row["rung"], fmt(row["bytes_per_token"] / 1e3, ".1f"), fmt(row["reads_per_token"], ".1f"),
+                      fmt(row["mean_read_bytes"] and row["mean_read_bytes"] / 1e3, ".1f"),
+                      fmt(row["effective_gbps"], ".2f"), fmt(row["io_ms"], ".2f"), fmt(row["mem_ms"], ".2f"),
+                      fmt(row["compute_ms"], ".2f"), fmt(row["tokens_per_second"], ".1f"),
+                      fmt(row["peak_memory_bytes"] / 1e6, ".0f"),
+                      *[fmt(row["perplexity"].get(t), ".3f") for t in texts],
+                      fmt(row.get("greedy_agreement"), ".1%"), fmt(row.get("identical_prefix_tokens"), "d"))
+    console.print(table)
+    for r in result["sweep"]:
+        if "refused" in r:
+            console.print(f"{r['rung']}: refused ({r['refused']})")
+    q = result["predictor_quality"]
+    if q:
+        console.print("Predictor, held out at compile time (mean over layers): "
+                      + ", ".join(f"{k} {v:.3f}" for k, v in q.items()))
+
+
+CSV_COLUMNS = ("rung", "mode", "window", "bundled", "budget_bytes", "bytes_per_token", "bytes_needed_per_token",
+               "reads_per_token", "mean_read_bytes", "effective_gbps", "io_ms", "mem_ms", "compute_ms",
+               "tokens_per_second", "peak_memory_bytes", "planned_ram_bytes", "model_ram_bytes", "cache_hit_rate",
+               "greedy_agreement", "identical_prefix_tokens")
+
+
+def write_csv(result: dict, path) -> None:
+    import csv
+    with open(path, "w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow([*CSV_COLUMNS, *[f"perplexity:{t}" for t in result["texts"]]])
+        for row in result["rows"] + [r for r in result["sweep"] if "refused" not in r]:
+            w.writerow([row.get(c) for c in CSV_COLUMNS] + [row["perplexity"].get(t) for t in result["texts"]])
+
+
+def plot_ladder(result: dict, path) -> None:
+    """Latency per token against the share of the dense model each configuration holds in RAM (LLM in a
+    Flash, Figure 7). Naive is drawn at 0, as the design holds nothing; the emulation computes from RAM."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in result["rows"] + result["sweep"] if "refused" not in r]
+    dense = next((r for r in rows if r["rung"] == "dense fp16"), None)
+    if dense is None:
+        raise LsparseError("the plot needs the dense fp16 rung")
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        x = r["model_ram_bytes"] / dense["model_ram_bytes"]
+        ax.scatter(x, 1e3 / r["tokens_per_second"], label=r["rung"])
+    ax.set_xlabel("model bytes held in RAM, share of dense fp16")
+    ax.set_ylabel("ms per token")
+    ax.set_yscale("log")
+    ax.set_title(f"{Path(result['image']).name}: latency against RAM")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    try:
+        out = run_rung(json.loads(sys.stdin.read()))
+    except LsparseError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    print(json.dumps(out))

@@ -1,0 +1,67 @@
+"""A small ladder end to end on the built-in model: its figures must agree with each other."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+
+from lsparse.bench.ladder import LADDER
+from lsparse.image.compile import CompileOptions, compile_image
+from tests.conftest import shared_file
+from tests.test_sources import lsparse
+
+
+@pytest.fixture(scope="module")
+def ladder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bench")
+    text = shared_file("tinystories/validation_100.txt")
+    options = CompileOptions(calib=shared_file("tinystories/validation_100.txt"), calib_tokens=2048, window=256,
+                             predictor="svd", rank=16, hot_fraction=0.1, bits=4)
+    compile_image("builtin:tinystories-reglu", str(root / "image"), options)
+    done = lsparse("bench", str(root / "image"), "--text", str(text), "--prompts", "1", "--prompt-tokens", "32",
+                   "--gen-tokens", "32", "--quality-tokens", "256", "--budgets", "0.9", "--json",
+                   "--csv", str(root / "ladder.csv"), "--plot", str(root / "ladder.png"), timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    result["by_rung"] = {row["rung"]: row for row in result["rows"]}
+    result["root"] = root
+    return result
+
+
+def ppl(row):
+    return next(iter(row["perplexity"].values()))
+
+
+def test_every_rung_ran_and_wrote_csv_and_plot(ladder):
+    assert list(ladder["by_rung"]) == [r.name for r in LADDER]
+    with open(ladder["root"] / "ladder.csv", newline="") as f:
+        ran = [row for row in ladder["sweep"] if "refused" not in row]
+        assert len(list(csv.DictReader(f))) == len(LADDER) + len(ran)
+    assert (ladder["root"] / "ladder.png").stat().st_size > 0
+
+
+def test_exact_and_hybrid_change_nothing(ladder):
+    r = ladder["by_rung"]
+    assert ppl(r["exact 4-bit"]) == pytest.approx(ppl(r["dense 4-bit"]), rel=1e-5)
+    assert r["exact 4-bit"]["greedy_agreement"] == 1.0
+    assert ppl(r["hybrid"]) == pytest.approx(ppl(r["dense fp16"]), rel=1e-5)
+    assert r["hybrid"]["greedy_agreement"] == 1.0
+
+
+def test_bytes_fall_down_the_ladder(ladder):
+    r = ladder["by_rung"]
+    assert r["naive"]["bytes_per_token"] > r["hybrid"]["bytes_per_token"] > 0
+    # a larger window never reads more; bundles turn several requests into one
+    assert r["+window"]["bytes_per_token"] <= r["+predictor"]["bytes_per_token"]
+    assert r["+bundles+layout"]["reads_per_token"] < r["+window"]["reads_per_token"]
+    assert r["+4-bit"]["bytes_needed_per_token"] < r["+hot"]["bytes_needed_per_token"]
+    for row in ladder["rows"]:
+        if row["mode"] not in ("dense",):
+            assert row["bytes_per_token"] >= row["bytes_needed_per_token"] > 0
+
+
+def test_budget_sweep_stays_within_its_plan(ladder):
+    for row in ladder["sweep"]:
+        assert "refused" in row or row["planned_ram_bytes"] <= row["budget_bytes"]
