@@ -38,7 +38,17 @@ test: $(VENV)/.installed-test
 test-slow: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m "slow or not slow"
 
+BENCH_IMAGE ?= out/bench-image
+BENCH_TEXTS = --text $(SHARED)/tinystories/validation_100.txt --text $(SHARED)/wikitext-2-raw/wiki.test.raw
+
+# The ladder on the built-in model (table, JSON, CSV and plot in out/bench/), then dense decoding and the reader.
 bench: $(VENV)/.installed-test
+	mkdir -p out/bench
+	$(BIN)/lsparse compile $(DEMO_MODEL) -o $(BENCH_IMAGE) --force > /dev/null
+	$(BIN)/lsparse bench $(BENCH_IMAGE) $(BENCH_TEXTS) --json --csv out/bench/ladder.csv \
+		--plot out/bench/ladder.png > out/bench/ladder.json
+	$(BIN)/python -c "import json; from lsparse.bench.ladder import print_ladder; \
+		print_ladder(json.load(open('out/bench/ladder.json')))"
 	$(BIN)/python scripts/bench_dense.py
 	$(BIN)/python scripts/bench_reader.py
 

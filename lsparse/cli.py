@@ -166,8 +166,15 @@ def compile_(
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
         task = bar.add_task("calibrating and writing layers", total=None)
+        training = bar.add_task("training predictors", total=None, visible=False)
+
+        def on_epoch(layer, done, total):
+            bar.update(training, description=f"training the predictor of layer {layer}", completed=done,
+                       total=total, visible=done < total)
+
         manifest = compile_image(source, output, options,
-                                 progress=lambda done, total: bar.update(task, completed=done, total=total))
+                                 progress=lambda done, total: bar.update(task, completed=done, total=total),
+                                 training_progress=on_epoch)
     from lsparse.image.inspect import describe_image, print_image
     print_image(describe_image(output, manifest))
 
@@ -180,6 +187,36 @@ def verify(image: str = typer.Argument(..., help="An image directory.")):
     if problems:
         raise LsparseError(f"{image} is damaged: " + "; ".join(problems))
     typer.echo(f"{image}: every file and neuron region matches its checksum")
+
+
+@app.command()
+def pack(
+    image: str = typer.Argument(..., help="An image directory."),
+    output: Optional[str] = typer.Option(None, "--output", "-o", help="The file to write [IMAGE.lsimg.zst]."),
+    level: int = typer.Option(3, "--level", min=1, max=22, help="zstandard level."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+):
+    """Pack an image into one zstandard-compressed file, to ship it."""
+    from lsparse.image.pack import SUFFIX
+    from lsparse.image.pack import pack as pack_image
+    result = pack_image(image, output or image.rstrip("/") + SUFFIX, level)
+    if as_json:
+        typer.echo(json.dumps(result))
+    else:
+        typer.echo(f"{result['packed']}: {result['packed_bytes'] / 1e6:.2f} MB "
+                   f"({result['packed_bytes'] / result['image_bytes']:.1%} of {result['image_bytes'] / 1e6:.2f} MB)")
+
+
+@app.command()
+def unpack(
+    packed: str = typer.Argument(..., help="A file made by lsparse pack."),
+    output: str = typer.Option(..., "--output", "-o", help="The image directory to write."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing image."),
+):
+    """Unpack and verify an image packed by lsparse pack."""
+    from lsparse.image.pack import unpack as unpack_image
+    unpack_image(packed, output, force)
+    typer.echo(f"{output}: unpacked, every checksum matches")
 
 
 @app.command()

@@ -196,3 +196,40 @@ def test_presets_load_and_the_command_line_wins(tiny_relu_llama, tmp_path):
     bad = lsparse("compile", str(tiny_relu_llama), "-o", str(tmp_path / "other"), "--config",
                   str(tmp_path / "bad.toml"))
     assert bad.returncode == 1 and "unknown key(s) bitz" in bad.stderr and not (tmp_path / "other").exists()
+
+
+def test_pack_round_trips_and_refuses_damage(tiny_relu_llama, tmp_path):
+    from lsparse.image.pack import pack, unpack
+    image = tmp_path / "image"
+    compile_image(str(tiny_relu_llama), str(image), options(bits=4))
+    sizes = pack(image, tmp_path / "image.lsimg.zst")
+    assert 0 < sizes["packed_bytes"] < sizes["image_bytes"]
+    unpack(tmp_path / "image.lsimg.zst", tmp_path / "copy")
+    for name in load_manifest(image)["files"]:
+        assert (tmp_path / "copy" / name).read_bytes() == (image / name).read_bytes()
+
+    data = (tmp_path / "image.lsimg.zst").read_bytes()
+    (tmp_path / "cut.zst").write_bytes(data[: len(data) // 2])
+    with pytest.raises(LsparseError, match="not a complete lsparse pack"):
+        unpack(tmp_path / "cut.zst", tmp_path / "cut")
+    # a neuron region altered before packing: the pack is whole, the image inside is not
+    neurons = image / "neurons.bin"
+    raw = bytearray(neurons.read_bytes())
+    raw[load_manifest(image)["layers"][0]["region"]["offset"]] ^= 0xFF
+    neurons.write_bytes(bytes(raw))
+    pack(image, tmp_path / "altered.zst")
+    with pytest.raises(LsparseError, match="damaged"):
+        unpack(tmp_path / "altered.zst", tmp_path / "altered")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["altered.zst", "copy", "cut.zst", "image",
+                                                         "image.lsimg.zst"]
+
+
+def test_predictor_training_reports_its_progress(tiny_relu_llama, tmp_path):
+    calls, layers = [], []
+    compile_image(str(tiny_relu_llama), str(tmp_path / "image"),
+                  options(predictor="lowrank", predictor_epochs=3, calib_tokens=512),
+                  progress=lambda done, total: layers.append((done, total)),
+                  training_progress=lambda *call: calls.append(call))
+    n = layers[-1][1]
+    assert layers == [(i + 1, n) for i in range(n)]
+    assert calls == [(layer, epoch, 3) for layer in range(n) for epoch in (1, 2, 3)]

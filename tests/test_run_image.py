@@ -75,6 +75,25 @@ def test_opt_image_exact_equals_dense(tmp_path):
     np.testing.assert_allclose(logits(exact, tokens), b, atol=1e-4 * np.abs(b).max())
 
 
+def test_swiglu_exact_mode_is_exact_against_its_cats_threshold(tmp_path):
+    """SwiGLU has no exact zeros: compile cuts the smallest |silu(gate)| (CATS) and exact mode, with the gate
+    resident, must compute exactly that thresholded FFN, which hybrid mode computes over every neuron."""
+    folder = write_tiny_llama(tmp_path / "swiglu", {**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 256,
+                                                    "hidden_act": "silu", "max_position_embeddings": 128},
+                              tokenizer=shared_file("stories260K/tok512.model"))
+    options = CompileOptions(calib=shared_file("tinystories/validation_100.txt"), calib_tokens=1024, window=100,
+                             bits=8, predictor="svd", rank=8, threshold_sparsity=0.6)
+    compile_image(str(folder), str(tmp_path / "image"), options)
+    tokens = list(np.random.default_rng(5).integers(3, 512, 24))
+    exact, hybrid = load_image(tmp_path / "image", "exact")[0], load_image(tmp_path / "image", "hybrid")[0]
+    dense = load_image(tmp_path / "image", "dense")[0]
+    a, b, c = logits(exact, tokens), logits(hybrid, tokens), logits(dense, tokens)
+    np.testing.assert_allclose(a, b, atol=1e-4 * np.abs(b).max())
+    assert np.abs(a - c).max() > 1e-3 * np.abs(c).max()  # the threshold really cuts something
+    read = sum(s.bytes_needed for s in exact.costs.steps[1:]) / (len(exact.costs.steps) - 1)
+    assert 0 < read < 0.6 * exact.dense_ffn_bytes()
+
+
 def test_neuron_file_truncated_while_running_is_a_clean_error(relu_image, tmp_path):
     import shutil
 

@@ -34,6 +34,7 @@ from lsparse.image.bundles import ALIGN_REGION, component_rows, decode_bundles, 
 from lsparse.image.format import FORMAT, MANIFEST, NEURONS, VERSION, sha256_file
 from lsparse.image.quantize import check, row_bytes
 from lsparse.model import architecture
+from lsparse.model.layers import silu
 from lsparse.source import resolve
 
 DEFAULT_CALIBRATION = Path(__file__).resolve().parent.parent / "calibrate" / "data" / "stories.txt"
@@ -52,7 +53,7 @@ class CompileOptions:
     predictor: str = "lowrank"
     rank: int = 32
     recall: float = 0.99
-    threshold_sparsity: float = 0.5   # SwiGLU models only: the share of activations cut by magnitude
+    threshold_sparsity: float = 0.5   # SwiGLU models only: the share of gate activations cut (CATS)
     held_out: float = 0.2
     max_gap_bytes: int = 16384        # layout report: read through gaps smaller than this
     predictor_epochs: int = 30
@@ -107,12 +108,18 @@ def _calibration_windows(tokenizer, options: CompileOptions) -> tuple[list[list[
     return windows, train_tokens
 
 
-def _compile_layer(cal, arch, args, options: CompileOptions, train_n: int, tmp: Path, neurons) -> dict:
+def _compile_layer(cal, arch, args, options: CompileOptions, train_n: int, tmp: Path, neurons,
+                   on_epoch=None) -> dict:
     w, acts, x = cal.weights, cal.activations, cal.inputs
     d_ff = acts.shape[1]
     tr, ho = slice(0, train_n), slice(train_n, None)
-    threshold = 0.0 if relu_sparse(args) else float(np.quantile(np.abs(acts[tr]), options.threshold_sparsity))
-    active = np.abs(acts) > threshold
+    if relu_sparse(args):
+        threshold, active = 0.0, acts != 0
+    else:  # CATS: a threshold on the gate's activation alone, so that a resident gate decides the mask exactly
+        gate = np.abs(silu(x @ w["gate"].T, np))
+        threshold = float(np.quantile(gate[tr], options.threshold_sparsity))
+        active = gate > threshold
+        acts = acts * active
     inputs = [w[c] for c in arch.BUNDLE if c != "down"]
     scores = neuron_scores(active[tr], acts[tr], inputs, w["down"], cal.input_norms)
     hot = hot_set(scores["score"], options.hot_fraction)
@@ -136,7 +143,8 @@ def _compile_layer(cal, arch, args, options: CompileOptions, train_n: int, tmp: 
         if options.predictor == "svd":
             predictor_tensors = svd_predictor(proj, bias, min(rank, min(proj.shape)))
         else:
-            predictor_tensors = train_lowrank(x[tr], active[tr], rank, epochs=options.predictor_epochs)
+            predictor_tensors = train_lowrank(x[tr], active[tr], rank, epochs=options.predictor_epochs,
+                                              on_epoch=on_epoch)
         s = predictor_scores(options.predictor, predictor_tensors, x)
         predictor_threshold = threshold_for_recall(s[tr], active[tr], options.recall)
         quality = prediction_quality(s[ho] > predictor_threshold, active[ho], acts[ho])
@@ -174,8 +182,9 @@ def _compile_layer(cal, arch, args, options: CompileOptions, train_n: int, tmp: 
             "layout": layout, "quantization_error": quant_error}
 
 
-def compile_image(spec: str, out: str, options: CompileOptions, progress=None) -> dict:
-    """Write the image of `spec` to `out`; returns its manifest. Nothing is left at `out` unless it completes."""
+def compile_image(spec: str, out: str, options: CompileOptions, progress=None, training_progress=None) -> dict:
+    """Write the image of `spec` to `out`; returns its manifest. Nothing is left at `out` unless it completes.
+    progress(layers done, layers); training_progress(layer, epochs done, epochs) while a predictor trains."""
     if options.predictor not in KINDS:
         raise LsparseError(f"unknown predictor {options.predictor!r} (choose from {', '.join(KINDS)})")
     if options.layout not in LAYOUTS:
@@ -202,7 +211,11 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None) -
         layers = []
         with open(tmp / NEURONS, "wb") as neurons:
             for cal in calibrate_layers(checkpoint, windows):
-                layers.append(_compile_layer(cal, arch, args, options, train_n, tmp, neurons))
+                on_epoch = None
+                if training_progress:
+                    def on_epoch(epoch, index=cal.index):
+                        training_progress(index, epoch + 1, options.predictor_epochs)
+                layers.append(_compile_layer(cal, arch, args, options, train_n, tmp, neurons, on_epoch))
                 if progress:
                     progress(cal.index + 1, args.num_hidden_layers)
             neurons.flush()

@@ -14,7 +14,7 @@ from lsparse.errors import LsparseError
 from lsparse.image.bundles import decode_bundles
 from lsparse.image.format import NEURONS, check_for_run, load_manifest
 from lsparse.model import Model, architecture
-from lsparse.model.layers import relu
+from lsparse.model.layers import relu, silu
 from lsparse.model.llama import gate_activation
 from lsparse.runtime.reader import DEFAULT_GAP_BYTES, FlashReader, coalesce
 from lsparse.source.safetensors_store import SafetensorsFile
@@ -113,9 +113,6 @@ class SparseFFN:
         self.region, self.region_size = layer["region"]["offset"], layer["region"]["size"]
         self.predictor = {k: _float(resident[k]) for k in ("A", "B", "bias", "W1", "W2", "b2") if k in resident}
         self.kind = meta["predictor"]["kind"]
-        if mode == "exact" and (self.threshold > 0 or getattr(args, "hidden_act", "relu") in ("silu", "swish")):
-            raise LsparseError("exact mode needs a ReLU-family model (its gate decides exactly which neurons are "
-                               "zero); this image is SwiGLU: run it in predicted or dense mode")
         if mode == "predicted" and self.kind == "exact":
             raise LsparseError("this image was compiled with --predictor exact: run it in exact or dense mode")
         if layer["predictor"]["threshold"] is not None:
@@ -131,15 +128,19 @@ class SparseFFN:
         pre = x @ self.exact_rows.T
         return pre + self.bias["up_bias"] if "up_bias" in self.bias else pre
 
+    def _active(self, pre):
+        """Which neurons are active, from the resident projection's pre-activation: ReLU models where the gate
+        passes; SwiGLU images where |silu(gate)| exceeds the layer's CATS threshold."""
+        if self.threshold > 0:
+            return np.abs(silu(pre, np)) > self.threshold
+        return pre > getattr(self.args, "relu_threshold", 0.0)
+
     def _activation(self, pre, up):
         """Coefficient on the down column from the gate (or fc1) pre-activation and the up values."""
         if "gate" not in self.components:  # OPT: relu(fc1 x + b)
-            a = relu(pre, np)
-        else:
-            a = gate_activation(self.args, pre, up, np)
-        if self.threshold > 0:
-            a = a * (np.abs(a) > self.threshold)
-        return a
+            return relu(pre, np)
+        a = gate_activation(self.args, pre, up, np)
+        return a * self._active(pre) if self.threshold > 0 else a
 
     def __call__(self, args, w, x, xp):
         if self.mode == "hybrid":
@@ -148,7 +149,7 @@ class SparseFFN:
         start = time.perf_counter()
         if self.mode == "exact":
             pre_all = self._exact_pre(x)
-            active = pre_all > getattr(self.args, "relu_threshold", 0.0)
+            active = self._active(pre_all)
         else:
             pre_all = None
             active = predictor_scores(self.kind, self.predictor, x) > self.predictor_threshold
