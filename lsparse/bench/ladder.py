@@ -165,6 +165,7 @@ class NaiveModel:
                       for r in self.readers]
         self.reader = self.readers[0]
         self.dense_ffn_bytes = dense.dense_ffn_bytes
+        self.gap = {"bytes": 0, "rule": "whole files"}
 
     def __call__(self, tokens, cache):
         out = []
@@ -196,18 +197,20 @@ def _summary(rung: Rung, result: dict, reference: dict | None) -> dict:
            - result["memory_plan"]["process"] - result["memory_plan"]["kv_cache"],
            "perplexity": result["perplexity"]}
     if result["flash"]:
-        f = {k: float(np.mean([r[k] for r in result["flash"]])) for k in result["flash"][0] if k != "direct_io"}
+        f = {k: float(np.mean([r[k] for r in result["flash"]])) for k in result["flash"][0]
+             if k not in ("direct_io", "gap_rule")}
         row.update({"bytes_per_token": f["bytes_read_per_token"], "bytes_needed_per_token": f["bytes_needed_per_token"],
                     "reads_per_token": f["reads_per_token"], "mean_read_bytes": f["mean_read_bytes"],
                     "effective_gbps": f["bytes_read_per_token"] / (f["io_ms_per_token"] * 1e6)
                     if f["io_ms_per_token"] else None,
                     "io_ms": f["io_ms_per_token"], "mem_ms": f["mem_ms_per_token"],
                     "compute_ms": f["compute_ms_per_token"], "cache_hit_rate": f["cache_hit_rate"],
-                    "direct_io": all(r["direct_io"] for r in result["flash"])})
+                    "direct_io": all(r["direct_io"] for r in result["flash"]),
+                    "gap_bytes": f["gap_bytes"], "gap_rule": result["flash"][0]["gap_rule"]})
     else:
         row.update({k: None for k in ("bytes_per_token", "bytes_needed_per_token", "reads_per_token",
                                       "mean_read_bytes", "effective_gbps", "io_ms", "mem_ms", "compute_ms",
-                                      "cache_hit_rate", "direct_io")})
+                                      "cache_hit_rate", "direct_io", "gap_bytes", "gap_rule")})
         row["bytes_per_token"] = 0.0
     if reference is not None:
         same = [np.mean(np.equal(a, b)) for a, b in zip(result["tokens"], reference["tokens"], strict=True)]
@@ -332,6 +335,7 @@ def print_ladder(result: dict, console=None) -> None:
 CSV_COLUMNS = ("rung", "mode", "window", "bundled", "budget_bytes", "bytes_per_token", "bytes_needed_per_token",
                "reads_per_token", "mean_read_bytes", "effective_gbps", "io_ms", "mem_ms", "compute_ms",
                "tokens_per_second", "peak_memory_bytes", "planned_ram_bytes", "model_ram_bytes", "cache_hit_rate",
+               "gap_bytes",
                "greedy_agreement", "identical_prefix_tokens")
 
 

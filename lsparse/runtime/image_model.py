@@ -283,11 +283,11 @@ def _resident(path: Path) -> dict:
 
 
 def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: float = 0.0,
-               gap_bytes: int = DEFAULT_GAP_BYTES, direct: bool = True, workers: int = 4,
+               gap_bytes: int | None = None, direct: bool = True, workers: int = 4,
                ram_budget: int | None = None, tokens: int = 2048, bundled: bool = True):
     """(ImageModel, tokenizer) for an image, in one of MODES; with `ram_budget`, the neuron caches are sized to
     fit it (for `tokens` of context) or the budget is refused. `bundled=False` reads each row of a neuron
-    apart (an ablation: what bundling saves)."""
+    apart (an ablation: what bundling saves). `gap_bytes` None: the gap rule measured on the image's device."""
     if mode not in MODES:
         raise LsparseError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
     image = Path(image)
@@ -299,6 +299,11 @@ def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: flo
     globals_ = {k: _float(v) for k, v in _resident(image / "resident" / "globals.safetensors").items()}
     costs = CostLog()
     reader = FlashReader(image / NEURONS, workers=workers, direct=direct) if mode != "dense" else None
+    gap_rule = "given"
+    if gap_bytes is None:
+        from lsparse.runtime.device import gap_for
+        gap_bytes, gap_rule = gap_for(image / NEURONS, workers) if reader and reader.direct \
+            else (DEFAULT_GAP_BYTES, "default")
     layers, ffns = [], []
     for layer in meta["layers"]:
         resident = _resident(image / "resident" / f"layer-{layer['index']:03d}.safetensors")
@@ -314,6 +319,7 @@ def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: flo
     tokenizer = from_folder(image, meta["config"])
     image_model = ImageModel(model, ffns or None, costs, meta, reader)
     image_model.memory_plan = memory
+    image_model.gap = {"bytes": gap_bytes, "rule": gap_rule}
     return image_model, tokenizer
 
 
