@@ -56,6 +56,8 @@ def run(
     buffered: bool = typer.Option(False, "--buffered", help="Read the image through the page cache."),
     ram_budget: Optional[str] = typer.Option(None, "--ram-budget",
                                              help="Images: plan RAM to fit, e.g. 512MB or 2GB, or refuse."),
+    lookahead: bool = typer.Option(False, "--lookahead", help="Images: start reading the next layer's guessed "
+                                                              "neurons while this layer computes."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ):
     """Generate text from a flash image (exact, predicted or dense) or, with --dense, from any checkpoint."""
@@ -70,7 +72,8 @@ def run(
                            "checkpoint with every weight in RAM")
     run_model(model, prompt, max_tokens, mode=mode, window=window, threshold_shift=threshold, temp=temp,
               top_p=top_p, seed=seed, chat=not ignore_chat_template, revision=revision, tokenizer=tokenizer,
-              backend=backend, as_json=as_json, direct=not buffered, ram_budget=ram_budget)
+              backend=backend, as_json=as_json, direct=not buffered, ram_budget=ram_budget,
+              lookahead=lookahead)
 
 
 @app.command()

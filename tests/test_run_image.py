@@ -58,6 +58,19 @@ def test_a_larger_window_never_reads_more(relu_image):
     assert all(a >= b for a, b in zip(read, read[1:], strict=False)) and read[0] > read[-1]
 
 
+def test_lookahead_changes_reads_not_results(relu_image):
+    tokens = list(np.random.default_rng(6).integers(3, 512, 40))
+    plain, _ = load_image(relu_image, "exact", window=2)
+    ahead, _ = load_image(relu_image, "exact", window=2, lookahead=True)
+    np.testing.assert_array_equal(logits(plain, tokens), logits(ahead, tokens))
+
+    def total(model, key):
+        return sum(getattr(s, key) for s in model.costs.steps)
+
+    assert total(ahead, "bytes_needed") == total(plain, "bytes_needed")
+    assert total(ahead, "lookahead_used") > 0  # some neurons came from a read started a layer early
+
+
 def test_predicted_mode_runs_and_reports(relu_image):
     result = lsparse("run", str(relu_image), "--mode", "predicted", "-m", "16", "--json")
     assert result.returncode == 0, result.stderr

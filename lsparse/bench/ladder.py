@@ -3,9 +3,9 @@ each with its cost per token and its quality against dense.
 
 Each rung adds one idea to the one before: naive (every byte of the model read each token), hybrid (all but
 the FFN resident, the whole FFN read each token), + predictor, + window, + bundles and co-activation layout,
-+ hot neurons, + 4-bit; exact mode and dense with everything in RAM close the table. Rungs that need another
-image (fp16, natural order, no hot neurons) get it by compiling the image's source again with its recorded
-options and one change, once, into a variants folder. Each rung runs in a process of its own, so that its
++ hot neurons, + 4-bit, + lookahead; exact mode and dense with everything in RAM close the table. Rungs that
+need another image (fp16, natural order, no hot neurons) get it by compiling the image's source again with its
+recorded options and one change, once, into a variants folder. Each rung runs in a process of its own, so that its
 peak memory is its own.
 """
 
@@ -39,6 +39,7 @@ class Rung:
     bundled: bool = True
     gap_bytes: int | None = None  # None: the reader's default gap rule
     budget: int | None = None     # bytes; None: unlimited
+    lookahead: bool = False
     note: str = ""
 
 
@@ -52,6 +53,7 @@ LADDER = [
     Rung("+bundles+layout", "fp16-layout", "predicted", note="row-column bundles, co-activation order, gap rule"),
     Rung("+hot", "fp16-hot", "predicted", note="hot neurons pinned in RAM"),
     Rung("+4-bit", "4bit-hot", "predicted", note="4-bit bundles: the full system"),
+    Rung("+lookahead", "4bit-hot", "predicted", lookahead=True, note="the next layer read while this one runs"),
     Rung("exact 4-bit", "4bit-hot", "exact", note="gate resident: lossless against dense 4-bit"),
     Rung("dense 4-bit", "4bit-hot", "dense", note="every weight in RAM"),
     Rung("dense fp16", "fp16-natural", "dense", note="every weight in RAM: the reference"),
@@ -127,7 +129,7 @@ def run_rung(spec: dict) -> dict:
 
     rung = Rung(**spec["rung"])
     kwargs = {"window": rung.window, "bundled": rung.bundled, "workers": spec["workers"],
-              "tokens": spec["context"], "ram_budget": rung.budget}
+              "tokens": spec["context"], "ram_budget": rung.budget, "lookahead": rung.lookahead}
     if rung.gap_bytes is not None:
         kwargs["gap_bytes"] = rung.gap_bytes
     mode = "dense" if rung.mode == "naive" else rung.mode
@@ -146,7 +148,7 @@ def run_rung(spec: dict) -> dict:
     result["memory_plan"] = {k: v for k, v in model.memory_plan.items() if k != "cache_slots"}
     quality_model = model.dense if rung.mode == "naive" else model  # the same arithmetic, without the reads
     result["perplexity"] = {name: perplexity(quality_model, w) for name, w in spec["quality"].items()}
-    getattr(model, "close", model.reader.close if model.reader else lambda: None)()
+    model.close()
     return result
 
 
@@ -184,6 +186,7 @@ class NaiveModel:
     def close(self):
         for r in self.readers:
             r.close()
+        self.dense.close()
 
 
 def _summary(rung: Rung, result: dict, reference: dict | None) -> dict:

@@ -4,6 +4,7 @@ sliding-window neuron cache, with an exact count of what each token cost."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,8 @@ class TokenCost:
     io_s: float = 0.0
     mem_s: float = 0.0
     compute_s: float = 0.0
+    lookahead_used: int = 0    # needed neurons that a lookahead read had already brought
+    lookahead_wasted: int = 0  # neurons read ahead that the layer did not need
 
 
 @dataclass
@@ -86,6 +89,18 @@ class NeuronCache:
         return np.arange(len(neurons)) < n
 
 
+@dataclass
+class Lookahead:
+    """A reader with buffers of its own and one thread to drive it, so that reads ahead never share buffers
+    with the reads a layer is waiting for."""
+    reader: FlashReader
+    pool: ThreadPoolExecutor
+
+    def close(self):
+        self.pool.shutdown()
+        self.reader.close()
+
+
 class SparseFFN:
     """One layer's FFN from the image: hot neurons resident, cold ones read on demand."""
 
@@ -122,6 +137,9 @@ class SparseFFN:
         self.row_bytes = b["row_bytes"]
         self.cache = NeuronCache(d_ff, capacity, len(self.read_rows), d, window)
         self.gap_bytes = gap_bytes
+        self.next = None       # the next layer's SparseFFN, to read ahead for
+        self.lookahead = None  # a Lookahead when this layer's neurons may be read ahead
+        self.pending = None    # the read ahead in flight for this layer
 
     def _exact_pre(self, x):
         """The resident projection (gate; OPT: fc1 with bias) for every neuron."""
@@ -147,14 +165,12 @@ class SparseFFN:
             return self._stream_all(x)
         cost = self.costs.steps[-1]
         start = time.perf_counter()
-        if self.mode == "exact":
-            pre_all = self._exact_pre(x)
-            active = self._active(pre_all)
-        else:
-            pre_all = None
-            active = predictor_scores(self.kind, self.predictor, x) > self.predictor_threshold
+        active, pre_all = self._predict(x)
         needed = np.flatnonzero(active.any(0) & self.is_cold)
+        if self.next is not None and self.next.lookahead is not None:
+            self.next._read_ahead(x)
         compute = time.perf_counter() - start
+        ahead = self._collect_read_ahead(cost)
 
         start = time.perf_counter()
         cache = self.cache
@@ -167,13 +183,25 @@ class SparseFFN:
         cost.hits += len(needed) - len(missing)
         io = 0.0
         overflow, overflow_rows = missing[:0], None
+        if ahead is not None:  # the rows a lookahead brought stand in for reads
+            neurons, block, wait = ahead
+            io += wait
+            used = np.isin(neurons, missing)
+            cost.lookahead_used += int(used.sum())
+            cost.bytes_needed += int(used.sum()) * len(self.read_rows) * self.row_bytes
+            cost.lookahead_wasted += int((~used).sum())
+            placed = cache.insert(neurons[used], block[used])
+            overflow, overflow_rows = neurons[used][~placed], block[used][~placed]
+            missing = missing[~np.isin(missing, neurons)]
         if len(missing):
             order = np.argsort(self.position[missing])
-            rows, io = self._read(self.position[missing[order]], len(self.read_rows) * self.row_bytes)
-            decoded = self.decode(rows, self.read_rows)
-            block = np.stack([decoded[c] for c in self.read_rows], axis=1)
+            rows, read_s = self._read(self.position[missing[order]], len(self.read_rows) * self.row_bytes)
+            io += read_s
+            block = self._rows_block(rows)
             placed = cache.insert(missing[order], block)
-            overflow, overflow_rows = missing[order][~placed], block[~placed]
+            overflow = np.concatenate([overflow, missing[order][~placed]])
+            overflow_rows = block[~placed] if overflow_rows is None else np.concatenate([overflow_rows,
+                                                                                          block[~placed]])
         cached = needed[cache.slot_of[needed] >= 0]
         slots = cache.slot_of[cached]
         cache.last_used[slots] = cache.clock
@@ -191,11 +219,65 @@ class SparseFFN:
         cost.compute_s += time.perf_counter() - start + compute
         return out
 
+    def _predict(self, x):
+        """(which neurons are active for each row of x, the resident projection's values or None)."""
+        if self.mode == "exact":
+            pre_all = self._exact_pre(x)
+            return self._active(pre_all), pre_all
+        return predictor_scores(self.kind, self.predictor, x) > self.predictor_threshold, None
+
+    def _rows_block(self, rows: np.ndarray) -> np.ndarray:
+        """Bundle bytes to (neurons, rows read, d_model) float32."""
+        decoded = self.decode(rows, self.read_rows)
+        return np.stack([decoded[c] for c in self.read_rows], axis=1)
+
+    def _read_ahead(self, x_before: np.ndarray) -> None:
+        """Lookahead: guess this layer's neurons from the previous layer's FFN input (the hidden state changes
+        little from layer to layer: Deja Vu, ShadowLLM) and start reading the uncached ones in the background,
+        with a reader of their own, while the previous layer reads and computes."""
+        guess, _ = self._predict(x_before)
+        want = np.flatnonzero(guess.any(0) & self.is_cold)
+        want = want[self.cache.slot_of[want] < 0]
+        if len(want):
+            want = want[np.argsort(self.position[want])]
+            self.pending = self.lookahead.pool.submit(self._fetch_ahead, want)
+
+    def _fetch_ahead(self, neurons: np.ndarray):
+        prefix = len(self.read_rows) * self.row_bytes
+        rows, spans, transferred, _ = self._read_spans(self.position[neurons], prefix, self.lookahead.reader)
+        return neurons, self._rows_block(rows), len(neurons) * prefix, transferred, spans
+
+    def _collect_read_ahead(self, cost):
+        """The lookahead read started for this layer, once it has arrived: (neurons, rows, seconds waited)."""
+        if self.pending is None:
+            return None
+        start = time.perf_counter()
+        try:
+            neurons, block, _, transferred, spans = self.pending.result()
+        except OSError as e:
+            raise LsparseError(f"reading neuron bundles failed ({e}); run lsparse verify on the image") from None
+        finally:
+            self.pending = None
+        cost.bytes_read += transferred
+        cost.requests += spans
+        return neurons, block, time.perf_counter() - start
+
     def _read(self, positions: np.ndarray, prefix: int) -> tuple[np.ndarray, float]:
         """The first `prefix` bytes of the bundles at these sorted file positions, one row of bytes each, and
         the I/O seconds. Bundled: neighbours coalesced under the gap rule. Unbundled (the ablation): each row
         of each neuron is a request of its own, as when gate rows, up rows and down columns are stored apart."""
         cost = self.costs.steps[-1]
+        try:
+            rows, spans, transferred, io = self._read_spans(positions, prefix, self.reader)
+        except OSError as e:
+            raise LsparseError(f"reading neuron bundles failed ({e}); run lsparse verify on the image") from None
+        cost.bytes_needed += len(positions) * prefix
+        cost.bytes_read += transferred
+        cost.requests += spans
+        return rows, io
+
+    def _read_spans(self, positions: np.ndarray, prefix: int, reader) -> tuple[np.ndarray, int, int, float]:
+        """(rows of bytes, requests, bytes transferred, seconds) for the bundles at these file positions."""
         if self.bundled:
             runs = coalesce(positions, self.stride, self.region, self.gap_bytes)
             spans = [(off, length) for off, length, _ in runs]
@@ -203,19 +285,13 @@ class SparseFFN:
             rows = np.arange(prefix // self.row_bytes) * self.row_bytes
             starts = self.region + positions[:, None] * self.stride + rows
             spans = [(off, self.row_bytes) for off in starts.ravel().tolist()]
-        try:
-            data, transferred, io = self.reader.read(spans)
-        except OSError as e:
-            raise LsparseError(f"reading neuron bundles failed ({e}); run lsparse verify on the image") from None
+        data, transferred, io = reader.read(spans)
         if self.bundled:
             rows = np.concatenate([chunk.reshape(-1, self.stride)[run - run[0], :prefix]
                                    for (_, _, run), chunk in zip(runs, data, strict=True)])
         else:
             rows = np.concatenate(data).reshape(len(positions), prefix)
-        cost.bytes_needed += len(positions) * prefix
-        cost.bytes_read += transferred
-        cost.requests += len(spans)
-        return rows, io
+        return rows, len(spans), transferred, io
 
     def _stream_all(self, x):
         """The hybrid baseline: every cold bundle of the layer read and decoded, used once, then dropped."""
@@ -271,6 +347,10 @@ class ImageModel:
         # neurons need not hold the union of a whole prompt's.
         return np.concatenate([self.model([t], cache, self.ffns) for t in tokens])
 
+    def close(self) -> None:
+        for reader in {id(r): r for r in [self.reader] + [f.lookahead for f in self.ffns or []] if r}.values():
+            reader.close()
+
     def dense_ffn_bytes(self) -> int:
         """What a dense step reads of the FFN at the image's precision: every bundle of every layer."""
         return sum(layer["d_ff"] for layer in self.meta["layers"]) * self.meta["bundle"]["stride"]
@@ -284,10 +364,11 @@ def _resident(path: Path) -> dict:
 
 def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: float = 0.0,
                gap_bytes: int | None = None, direct: bool = True, workers: int = 4,
-               ram_budget: int | None = None, tokens: int = 2048, bundled: bool = True):
+               ram_budget: int | None = None, tokens: int = 2048, bundled: bool = True, lookahead: bool = False):
     """(ImageModel, tokenizer) for an image, in one of MODES; with `ram_budget`, the neuron caches are sized to
     fit it (for `tokens` of context) or the budget is refused. `bundled=False` reads each row of a neuron
-    apart (an ablation: what bundling saves). `gap_bytes` None: the gap rule measured on the image's device."""
+    apart (an ablation: what bundling saves). `gap_bytes` None: the gap rule measured on the image's device.
+    `lookahead`: each layer starts reading the next one's guessed neurons in the background."""
     if mode not in MODES:
         raise LsparseError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
     image = Path(image)
@@ -315,6 +396,10 @@ def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: flo
             ffns.append(SparseFFN(arch, args, meta, layer, resident, reader, mode, window, threshold_shift, costs,
                                   gap_bytes, memory["cache_slots"][layer["index"]], bundled))
         layers.append(weights)
+    if lookahead and ffns and mode in ("exact", "predicted"):
+        ahead = Lookahead(FlashReader(image / NEURONS, workers=workers, direct=direct), ThreadPoolExecutor(1))
+        for this, nxt in zip(ffns, ffns[1:], strict=False):
+            this.next, nxt.lookahead = nxt, ahead
     model = Model(arch, args, globals_, layers, np)
     tokenizer = from_folder(image, meta["config"])
     image_model = ImageModel(model, ffns or None, costs, meta, reader)

@@ -47,13 +47,15 @@ def flash_report(model) -> dict:
             "cache_hit_rate": sum(s.hits for s in steps) / lookups if lookups else 1.0,
             "io_ms_per_token": 1e3 * mean("io_s"), "mem_ms_per_token": 1e3 * mean("mem_s"),
             "compute_ms_per_token": 1e3 * mean("compute_s"), "direct_io": model.reader.direct,
-            "gap_bytes": model.gap["bytes"], "gap_rule": model.gap["rule"]}
+            "gap_bytes": model.gap["bytes"], "gap_rule": model.gap["rule"],
+            "lookahead_used_per_token": mean("lookahead_used"), "lookahead_wasted_per_token": mean("lookahead_wasted")}
 
 
 def run(spec: str, prompt: str, max_tokens: int, *, mode: str | None = None, window: int = 5,
         threshold_shift: float = 0.0, temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
         chat: bool = True, revision: str | None = None, tokenizer: str | None = None, backend: str | None = None,
-        as_json: bool = False, direct: bool = True, ram_budget: str | None = None, out=sys.stdout) -> dict:
+        as_json: bool = False, direct: bool = True, ram_budget: str | None = None, lookahead: bool = False,
+        out=sys.stdout) -> dict:
     """`mode` None: dense decoding of a checkpoint; exact, predicted, dense or hybrid: decoding from an image."""
     sample = make_sampler(temp, top_p, seed)
     if mode is None:
@@ -72,7 +74,7 @@ def run(spec: str, prompt: str, max_tokens: int, *, mode: str | None = None, win
         ids = encode_prompt(tok, prompt, chat)
         model, _ = load_image(spec, mode, window, threshold_shift, direct=direct,
                               ram_budget=parse_bytes(ram_budget) if ram_budget else None,
-                              tokens=len(ids) + max_tokens)
+                              tokens=len(ids) + max_tokens, lookahead=lookahead)
         backend, where = "numpy", spec
     stats = GenerationStats()
     detok = StreamingDetokenizer(tok)
@@ -88,7 +90,8 @@ def run(spec: str, prompt: str, max_tokens: int, *, mode: str | None = None, win
         result["ram_budget"] = parse_bytes(ram_budget) if ram_budget else None
     if mode in ("exact", "predicted", "hybrid"):
         result["flash"] = flash_report(model)
-        model.reader.close()
+    if mode is not None:
+        model.close()
     if as_json:
         out.write(json.dumps(result) + "\n")
     else:
