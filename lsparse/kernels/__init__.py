@@ -1,0 +1,1 @@
+"""The sparse FFN kernels: Metal sources (metal/) and their proofs on Linux."""

@@ -1,0 +1,136 @@
+// Rows of the neuron cache, as the kernels read them. A row is d weights in MLX's affine quantization: the
+// codes packed into 32-bit words, then one fp16 scale and one fp16 bias per group of GROUP weights
+// (w = scale * code + bias); with BITS 16, d plain fp16 weights. This is the image's row format
+// (docs/IMAGE_FORMAT.md), so bundles read from flash are used as they are.
+#include <metal_stdlib>
+using namespace metal;
+
+template <int BITS, int GROUP>
+struct Row {
+  static int per_word() {
+    return 32 / BITS;
+  }
+
+  // d, from a row's length in 32-bit words: d * BITS / 32 words of codes, then d / GROUP of scales and biases
+  static int width(int row_words) {
+    return row_words * 32 * GROUP / (BITS * GROUP + 32);
+  }
+
+  // This lane's share of row . x: words lane, lane + 32, ...
+  static float dot(const device uint32_t* row, const device float* x, uint lane, int d) {
+    const int per = 32 / BITS;
+    const int words = d / per;
+    const device half* scales = (const device half*)(row + words);
+    const device half* biases = scales + d / GROUP;
+    const uint32_t mask = (1u << BITS) - 1u;
+    float acc = 0.0f;
+    for (int w = int(lane); w < words; w += 32) {
+      const int i = w * per;
+      uint32_t packed = row[w];
+      float dot = 0.0f;
+      float xsum = 0.0f;
+      for (int k = 0; k < per; k++) {
+        const float xk = x[i + k];
+        dot += float(packed & mask) * xk;
+        xsum += xk;
+        packed >>= BITS;
+      }
+      // sum (s q + b) x = s (q . x) + b (sum x): one multiply per weight, as MLX's qmv does
+      acc += float(scales[i / GROUP]) * dot + float(biases[i / GROUP]) * xsum;
+    }
+    return acc;
+  }
+
+  // out[k] += a * row[word * per_word + k] for the weights of one word
+  static void axpy(const device uint32_t* row, int word, int d, float a, thread float* out) {
+    const int per = 32 / BITS;
+    const int i = word * per;
+    const device half* scales = (const device half*)(row + d / per);
+    const device half* biases = scales + d / GROUP;
+    const float s = a * float(scales[i / GROUP]);
+    const float b = a * float(biases[i / GROUP]);
+    uint32_t packed = row[word];
+    for (int k = 0; k < per; k++) {
+      out[k] += s * float(packed & ((1u << BITS) - 1u)) + b;
+      packed >>= BITS;
+    }
+  }
+};
+
+template <int GROUP>
+struct Row<16, GROUP> {
+  static int per_word() {
+    return 2;
+  }
+
+  static int width(int row_words) {
+    return row_words * 2;
+  }
+
+  static float dot(const device uint32_t* row, const device float* x, uint lane, int d) {
+    const device half* h = (const device half*)row;
+    float acc = 0.0f;
+    for (int w = int(lane); w < d / 2; w += 32) {
+      acc += float(h[2 * w]) * x[2 * w] + float(h[2 * w + 1]) * x[2 * w + 1];
+    }
+    return acc;
+  }
+
+  static void axpy(const device uint32_t* row, int word, int d, float a, thread float* out) {
+    const device half* h = (const device half*)row;
+    out[0] += a * float(h[2 * word]);
+    out[1] += a * float(h[2 * word + 1]);
+  }
+};
+template <int BITS, int GROUP>
+[[kernel]] void custom_kernel_lsparse_gather_down__4_64_uint32_t_int32_t_float_float(
+  const device uint32_t* w [[buffer(0)]],
+  const constant int* w_shape [[buffer(1)]],
+  const device int32_t* slots [[buffer(2)]],
+  const constant int* slots_shape [[buffer(3)]],
+  const device float* a [[buffer(4)]],
+  device float* out [[buffer(5)]],
+  uint3 thread_position_in_grid [[thread_position_in_grid]],
+  uint3 thread_position_in_threadgroup [[thread_position_in_threadgroup]],
+  uint3 threads_per_threadgroup [[threads_per_threadgroup]]) {
+  // out[j] = sum over i of a[i] * row(slots[i])[j]: the down projection over the slots of a layer's neuron
+  // cache, whose rows are the active neurons' down columns. Each thread owns one word of the rows (8 outputs
+  // at 4 bits, 4 at 8, 2 at fp16): grid (d / outputs per word). Slots and coefficients pass through
+  // threadgroup memory a tile at a time, read once per threadgroup instead of once per thread.
+  constexpr int TILE = 64;
+  threadgroup int tile_slot[TILE];
+  threadgroup float tile_a[TILE];
+  const int n = slots_shape[0];
+  const int d = Row<BITS, GROUP>::width(w_shape[1]);
+  const int per = Row<BITS, GROUP>::per_word();
+  const int words = d / per;
+  const int word = int(thread_position_in_grid.x);
+  const uint t = thread_position_in_threadgroup.x;
+  const uint threads = threads_per_threadgroup.x;
+  float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  for (int base = 0; base < n; base += TILE) {
+    for (uint k = t; k < uint(TILE); k += threads) {
+      const int i = base + int(k);
+      tile_slot[k] = i < n ? slots[i] : -1;
+      tile_a[k] = i < n ? a[i] : 0.0f;
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    if (word < words) {
+      for (int k = 0; k < TILE; k++) {
+        if (tile_slot[k] >= 0 && tile_a[k] != 0.0f) {
+          Row<BITS, GROUP>::axpy(w + size_t(tile_slot[k]) * size_t(w_shape[1]), word, d, tile_a[k], acc);
+        }
+      }
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);  // the next tile overwrites what others may still read
+  }
+  if (word < words) {
+    for (int k = 0; k < per; k++) {
+      out[word * per + k] = acc[k];
+    }
+  }
+
+}
+
+template [[host_name("custom_kernel_lsparse_gather_down__4_64_uint32_t_int32_t_float_float")]] [[kernel]] decltype(custom_kernel_lsparse_gather_down__4_64_uint32_t_int32_t_float_float<4, 64>) custom_kernel_lsparse_gather_down__4_64_uint32_t_int32_t_float_float<4, 64>;
+
