@@ -93,3 +93,63 @@ def test_metal_kernels_match_the_cpu_path(bits):
     np.testing.assert_allclose(y, cpu.gather_mv(w, slots, x, bits), rtol=1e-4, atol=1e-3)
     out = np.array(metal.gather_down(mx.array(w), mx.array(slots), mx.array(a), bits, x.shape[0]))
     np.testing.assert_allclose(out, cpu.gather_down(w, slots, a, bits, x.shape[0]), rtol=1e-4, atol=1e-3)
+
+
+def emulate_kernel(name, bits, sanitizer="address", source=None, d=320, capacity=26):
+    """One dispatch in the CPU emulator, with partial threadgroups at the grid's edge, and the numpy answer."""
+    from lsparse.kernels import emulate
+    w, slots, x, a = rows_and_slots(bits, d=d, capacity=capacity)
+    binary = emulate.build(name, bits, sanitizer, source)
+    if name == "gather_mv":
+        got = emulate.run(binary, {"w": w, "slots": slots, "x": x}, {"y": ((capacity,), np.float32)},
+                          grid=(32, capacity, 1), threadgroup=(32, 4, 1))["y"]
+        return got, cpu.gather_mv(w, slots, x, bits)
+    words = d * bits // 32
+    got = emulate.run(binary, {"w": w, "slots": slots, "a": a}, {"out": ((d,), np.float32)},
+                      grid=(words, 1, 1), threadgroup=(32, 1, 1))["out"]
+    return got, cpu.gather_down(w, slots, a, bits, d)
+
+
+@needs_clang
+@pytest.mark.parametrize("name,bits", SOURCES)
+def test_kernels_run_clean_under_asan_and_ubsan_and_match_numpy(name, bits):
+    got, want = emulate_kernel(name, bits)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+@needs_clang
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_kernels_run_clean_under_tsan(name):
+    got, want = emulate_kernel(name, 4, sanitizer="thread")
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+
+
+def mutated(name, old, new):
+    source = render(name, 4)
+    assert source.count(old) == 1, f"the mutation's anchor is not unique in {name}"
+    return source.replace(old, new)
+
+
+@needs_clang
+def test_emulator_catches_a_missing_bounds_clamp():
+    from lsparse.kernels.emulate import EmulatorError
+    source = mutated("gather_down", "tile_slot[k] = i < n ? slots[i] : -1;", "tile_slot[k] = slots[i];")
+    with pytest.raises(EmulatorError, match="AddressSanitizer: heap-buffer-overflow"):
+        emulate_kernel("gather_down", 4, source=source)
+
+
+@needs_clang
+def test_emulator_catches_a_deleted_barrier():
+    from lsparse.kernels.emulate import EmulatorError
+    source = mutated("gather_down", "    threadgroup_barrier(mem_flags::mem_threadgroup);\n    if (word < words) {",
+                     "    if (word < words) {")
+    with pytest.raises(EmulatorError, match="ThreadSanitizer: data race"):
+        emulate_kernel("gather_down", 4, sanitizer="thread", source=source)
+
+
+@needs_clang
+def test_emulator_catches_simd_sum_in_a_divergent_branch():
+    from lsparse.kernels.emulate import EmulatorError
+    source = mutated("gather_mv", "  acc = simd_sum(acc);", "  if (lane < 16) {\n    acc = simd_sum(acc);\n  }")
+    with pytest.raises(EmulatorError, match="SIMD-group calls|divergent"):
+        emulate_kernel("gather_mv", 4, source=source)

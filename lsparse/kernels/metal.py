@@ -57,22 +57,35 @@ def function_name(name: str, bits: int) -> str:
     return f"custom_kernel_lsparse_{name}__{bits}_{GROUP}_" + "_".join(types)
 
 
+def parameters(name: str) -> list[tuple[str, str, str]]:
+    """The kernel function's parameters as MLX writes them: (role, name, C type), role being input, shape
+    (an input's shape, passed when the body names it), output or attribute."""
+    _, body = read_source(name)
+    spec = KERNELS[name]
+    params = []
+    for arg, dtype in spec.inputs:
+        params.append(("input", arg, C_TYPES[dtype]))
+        if f"{arg}_shape" in body:
+            params.append(("shape", f"{arg}_shape", "int"))
+    params += [("output", arg, C_TYPES[dtype]) for arg, dtype in spec.outputs]
+    return params + [("attribute", attr, kind) for attr, kind in ATTRIBUTES.items() if attr in body]
+
+
 def render(name: str, bits: int) -> str:
     """The whole Metal source MLX compiles for this kernel: the header, the signature it writes, the body and
     the explicit instantiation. A test holds this byte for byte against what MLX itself prints."""
     header, body = read_source(name)
-    spec = KERNELS[name]
     params, index = [], 0
-    for arg, dtype in spec.inputs:
-        params.append(f"  const device {C_TYPES[dtype]}* {arg} [[buffer({index})]]")
+    for role, arg, ctype in parameters(name):
+        if role == "input":
+            params.append(f"  const device {ctype}* {arg} [[buffer({index})]]")
+        elif role == "shape":
+            params.append(f"  const constant int* {arg} [[buffer({index})]]")
+        elif role == "output":
+            params.append(f"  device {ctype}* {arg} [[buffer({index})]]")
+        else:
+            params.append(f"  {ctype} {arg} [[{arg}]]")
         index += 1
-        if f"{arg}_shape" in body:
-            params.append(f"  const constant int* {arg}_shape [[buffer({index})]]")
-            index += 1
-    for arg, dtype in spec.outputs:
-        params.append(f"  device {C_TYPES[dtype]}* {arg} [[buffer({index})]]")
-        index += 1
-    params += [f"  {kind} {attr} [[{attr}]]" for attr, kind in ATTRIBUTES.items() if attr in body]
     fn = function_name(name, bits)
     args = f"{bits}, {GROUP}"
     return (f"{header}template <int BITS, int GROUP>\n[[kernel]] void {fn}(\n" + ",\n".join(params)
