@@ -224,7 +224,8 @@ def unpack(
 
 @app.command()
 def bench(
-    image: str = typer.Argument(..., help="A flash image. Its ablation variants are compiled from its source."),
+    image: str = typer.Argument(..., help="A flash image (its ablation variants are compiled from its source), "
+                                          "or `kernels`."),
     text: Optional[list[str]] = typer.Option(None, "--text", help="Held-out text (repeatable): prompts come from "
                                                                   "the first, perplexity is measured on each."),
     prompts: int = typer.Option(2, "--prompts", min=1, help="Prompts, each from its own document."),
@@ -239,10 +240,21 @@ def bench(
     csv: Optional[str] = typer.Option(None, "--csv", help="Also write the rows as CSV here."),
     plot: Optional[str] = typer.Option(None, "--plot", help="Also write a PNG of latency against RAM here."),
 ):
-    """LLM in a Flash's ladder: naive, hybrid, +predictor, +window, +bundles, +hot, +4-bit, exact, dense."""
+    """LLM in a Flash's ladder: naive, hybrid, +predictor, +window, +bundles, +hot, +4-bit, exact, dense.
+    `lsparse bench kernels`: the sparse FFN step against dense, from 5% to 100% active."""
     from pathlib import Path
 
     from rich.console import Console
+    if image == "kernels":
+        from lsparse.bench.kernels import bench_kernels, print_kernels
+        err = Console(stderr=True)
+        with err.status("timing FFN steps") as status:
+            result = bench_kernels(progress=lambda m: status.update(m))
+        if as_json:
+            typer.echo(json.dumps(result, indent=2))
+        else:
+            print_kernels(result)
+        return
 
     from lsparse.bench.ladder import BenchOptions, plot_ladder, print_ladder, write_csv
     from lsparse.bench.ladder import bench as run_ladder

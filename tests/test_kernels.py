@@ -153,3 +153,14 @@ def test_emulator_catches_simd_sum_in_a_divergent_branch():
     source = mutated("gather_mv", "  acc = simd_sum(acc);", "  if (lane < 16) {\n    acc = simd_sum(acc);\n  }")
     with pytest.raises(EmulatorError, match="SIMD-group calls|divergent"):
         emulate_kernel("gather_mv", 4, source=source)
+
+
+def test_kernel_bench_figures_are_consistent():
+    from lsparse.bench.kernels import bench_kernels
+    result = bench_kernels(geometries=("builtin",), fractions=(0.1, 1.0), implementations=("numpy",), seconds=0.01)
+    assert [(r["active_share"], r["implementation"]) for r in result["rows"]] == [(0.1, "numpy"), (1.0, "numpy")]
+    for r in result["rows"]:
+        assert r["sparse_ms"] > 0 and r["dense_ms"] > 0
+        assert r["speedup"] == pytest.approx(r["dense_ms"] / r["sparse_ms"])
+        assert r["ideal_speedup"] == pytest.approx(1 / r["active_share"])
+        assert r["share_of_ideal"] == pytest.approx(r["speedup"] / r["ideal_speedup"])
