@@ -71,6 +71,7 @@ class BenchOptions:
     rungs: list | None = None                    # names; None: all
     budgets: tuple = (0.25, 0.5, 0.75)           # shares of the dense model for the latency-memory sweep
     workers: int = 4
+    synthetic: bool = False                      # set by bench() for synthetic images
 
 
 def variant_images(image: Path, needed: set[str], folder: Path, progress=print) -> dict[str, Path]:
@@ -82,8 +83,9 @@ def variant_images(image: Path, needed: set[str], folder: Path, progress=print) 
     if recorded is None:
         raise LsparseError(f"{image} does not record its compile options (compiled by an older lsparse): "
                            "compile it again to bench it")
-    base = {**recorded, "calib": Path(meta["calibration"]["text"])}
-    if base["predictor"] == "exact":
+    synthetic = meta["source"].startswith("synthetic:")
+    base = {**recorded} if synthetic else {**recorded, "calib": Path(meta["calibration"]["text"])}
+    if base.get("predictor") == "exact":
         base["predictor"] = "lowrank"  # the predicted rungs need a predictor
     images = {}
     for name in sorted(needed):
@@ -96,8 +98,14 @@ def variant_images(image: Path, needed: set[str], folder: Path, progress=print) 
                 and load_manifest(out).get("options") == {k: options[k] for k in recorded}:
             images[name] = out
             continue
-        progress(f"compiling the {name} variant of {meta['source']} into {out}")
-        compile_image(meta["source"], str(out), CompileOptions(force=True, **options))
+        if synthetic:
+            from lsparse.bench.synthetic import write_synthetic
+            progress(f"writing the {name} variant of {meta['source']} into {out}")
+            write_synthetic(meta["synthetic"]["name"], out, shared=folder / ".neurons",
+                            progress=progress, **{k: options[k] for k in recorded})
+        else:
+            progress(f"compiling the {name} variant of {meta['source']} into {out}")
+            compile_image(meta["source"], str(out), CompileOptions(force=True, **options))
         images[name] = out
     return images
 
@@ -109,6 +117,8 @@ def prompt_and_quality_windows(tokenizer, options: BenchOptions) -> tuple[list[l
     if not options.texts:
         raise LsparseError("bench needs held-out text: pass --text FILE (for example TinyStories validation)")
     docs = read_documents(options.texts[0])
+    if options.synthetic:  # prompts only steer the trace's clock: no quality is measured
+        return [tokenizer.encode(docs[0])[: options.prompt_tokens]] * options.prompts, {}
     prompts = [ids[: options.prompt_tokens] for ids in (tokenizer.encode(d) for d in docs)
                if len(ids) >= options.prompt_tokens][: options.prompts]
     if len(prompts) < options.prompts:
@@ -227,14 +237,22 @@ def _summary(rung: Rung, result: dict, reference: dict | None) -> dict:
 def bench(image, options: BenchOptions, progress=print) -> dict:
     """Every rung on the same prompts; returns {"rows": [...], "sweep": [...], "image": ..., ...}."""
     from lsparse.image.format import check_for_run, load_manifest
+    from lsparse.runtime.budget import plan
     from lsparse.source.tokenizer import from_folder
+    if str(image).startswith("synthetic:"):
+        image = _synthetic_base(str(image).split(":", 1)[1], options, progress)
     image = Path(image)
     meta = load_manifest(image)
     check_for_run(image, meta)
-    rungs = [r for r in LADDER if options.rungs is None or r.name in options.rungs]
+    options.synthetic = meta["source"].startswith("synthetic:")
+    ladder = [r for r in LADDER if not options.synthetic or r.name in SYNTHETIC_RUNGS]
+    rungs = [r for r in ladder if options.rungs is None or r.name in options.rungs]
     if options.rungs is not None and len(rungs) != len(options.rungs):
-        unknown = sorted(set(options.rungs) - {r.name for r in LADDER})
-        raise LsparseError(f"unknown rung(s) {', '.join(unknown)} (known: {', '.join(r.name for r in LADDER)})")
+        unknown = sorted(set(options.rungs) - {r.name for r in ladder})
+        raise LsparseError(f"unknown rung(s) {', '.join(unknown)} (known here: {', '.join(r.name for r in ladder)})")
+    if options.synthetic and not options.texts:
+        from lsparse.image.compile import DEFAULT_CALIBRATION
+        options.texts = [DEFAULT_CALIBRATION]
     folder = options.variants_dir or image.parent / f"{image.name}.variants"
     images = variant_images(image, {r.variant for r in rungs}, folder, progress)
     prompts, windows = prompt_and_quality_windows(from_folder(image, meta["config"]), options)
@@ -264,11 +282,12 @@ def bench(image, options: BenchOptions, progress=print) -> dict:
     rows = [_summary(r, results[r.name], reference_for(r)) for r in rungs]
     sweep = []
     full = next((r for r in rungs if r.name == "+4-bit"), None)
-    dense_row = next((row for row in rows if row["rung"] == "dense fp16"), None)
-    if full is not None and dense_row is not None and options.budgets:
-        fixed = dense_row["planned_ram_bytes"] - dense_row["model_ram_bytes"]
+    # the dense model's RAM, planned rather than run: a 7B dense step would not fit here
+    dense = plan(meta, "dense", context, None)
+    dense_model = dense["total"] - dense["process"] - dense["kv_cache"]
+    if full is not None and options.budgets:
         for share in options.budgets:
-            budget = fixed + int(share * dense_row["model_ram_bytes"])
+            budget = dense["total"] - dense_model + int(share * dense_model)
             rung = Rung(f"+4-bit at {share:.0%}", full.variant, full.mode, budget=budget)
             progress(f"rung {rung.name} of the dense model's RAM")
             spec = {"rung": asdict(rung), "image": str(images[full.variant]), "prompts": prompts[:1],
@@ -281,11 +300,30 @@ def bench(image, options: BenchOptions, progress=print) -> dict:
             row = _summary(rung, result, None)
             row["perplexity"] = quality_done.get((full.variant, full.mode), {})
             sweep.append(row)
-    return {"image": str(image), "source": meta["source"], "prompts": len(prompts),
+    return {"image": str(image), "source": meta["source"], "synthetic": meta.get("synthetic"),
+            "dense_model_ram_bytes": dense_model, "prompts": len(prompts),
             "prompt_tokens": options.prompt_tokens, "gen_tokens": options.gen_tokens,
-            "texts": [str(t) for t in options.texts], "quality_tokens": options.quality_tokens,
-            "predictor_quality": predictor_quality(load_manifest(images.get("4bit-hot", image))),
+            "texts": [] if options.synthetic else [str(t) for t in options.texts],
+            "quality_tokens": options.quality_tokens,
+            "predictor_quality": {} if options.synthetic else
+            predictor_quality(load_manifest(images.get("4bit-hot", image))),
             "rows": rows, "sweep": sweep}
+
+
+SYNTHETIC_RUNGS = ("hybrid", "+predictor", "+window", "+bundles+layout", "+hot", "+4-bit")
+
+
+def _synthetic_base(name: str, options: BenchOptions, progress) -> Path:
+    """The full-system variant of a synthetic model, written once into the variants folder."""
+    from lsparse.bench.synthetic import write_synthetic
+    from lsparse.image.format import load_manifest
+    folder = options.variants_dir or Path("out") / "synthetic" / name
+    out = folder / "4bit-hot"
+    if not (out / "manifest.json").exists() or load_manifest(out)["options"]["layout"] != "coactivation":
+        progress(f"writing synthetic:{name} into {out}")
+        write_synthetic(name, out, bits=4, shared=folder / ".neurons", progress=progress)
+    options.variants_dir = folder
+    return out
 
 
 def predictor_quality(meta: dict) -> dict:
@@ -329,6 +367,8 @@ def print_ladder(result: dict, console=None) -> None:
     for r in result["sweep"]:
         if "refused" in r:
             console.print(f"{r['rung']}: refused ({r['refused']})")
+    if result.get("synthetic"):
+        console.print(f"Synthetic image: {result['synthetic']['note']}")
     q = result["predictor_quality"]
     if q:
         console.print("Predictor, held out at compile time (mean over layers): "
@@ -358,12 +398,9 @@ def plot_ladder(result: dict, path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = [r for r in result["rows"] + result["sweep"] if "refused" not in r]
-    dense = next((r for r in rows if r["rung"] == "dense fp16"), None)
-    if dense is None:
-        raise LsparseError("the plot needs the dense fp16 rung")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
-        x = r["model_ram_bytes"] / dense["model_ram_bytes"]
+        x = r["model_ram_bytes"] / result["dense_model_ram_bytes"]
         ax.scatter(x, 1e3 / r["tokens_per_second"], label=r["rung"])
     ax.set_xlabel("model bytes held in RAM, share of dense fp16")
     ax.set_ylabel("ms per token")

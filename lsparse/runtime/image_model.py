@@ -106,9 +106,9 @@ class SparseFFN:
 
     def __init__(self, arch, args, meta: dict, layer: dict, resident: dict, reader: FlashReader | None,
                  mode: str, window: int, threshold_shift: float, costs: CostLog, gap_bytes: int, capacity: int,
-                 bundled: bool = True):
+                 bundled: bool = True, trace=None):
         self.arch, self.args, self.mode, self.reader, self.costs = arch, args, mode, reader, costs
-        self.bundled = bundled
+        self.bundled, self.trace, self.index = bundled, trace, layer["index"]
         q, b = meta["quantization"], meta["bundle"]
         self.components, self.stride, d = tuple(b["components"]), b["stride"], b["d_model"]
         self.decode = lambda data, comps: decode_bundles(data, comps, d, q["bits"], q["group_size"])
@@ -224,6 +224,8 @@ class SparseFFN:
         if self.mode == "exact":
             pre_all = self._exact_pre(x)
             return self._active(pre_all), pre_all
+        if self.trace is not None:  # a synthetic image: the recorded masks, replayed
+            return self.trace.mask(self.index)[None, :], None
         return predictor_scores(self.kind, self.predictor, x) > self.predictor_threshold, None
 
     def _rows_block(self, rows: np.ndarray) -> np.ndarray:
@@ -335,17 +337,23 @@ class ImageModel:
 
     def __init__(self, model: Model, ffns: list | None, costs: CostLog, meta: dict, reader):
         self.model, self.ffns, self.costs, self.meta, self.reader = model, ffns, costs, meta, reader
+        self.trace = ffns[0].trace if ffns else None
         self.xp, self.make_cache, self.context_length = model.xp, model.make_cache, model.context_length
 
     def __call__(self, tokens, cache, ffn_fns=None):
         if ffn_fns is not None:
             raise ValueError("an image model's FFNs are its own")
         self.costs.start()
-        if self.ffns is None or len(tokens) == 1:
+        if self.ffns is None or (len(tokens) == 1 and self.trace is None):
             return self.model(tokens, cache, self.ffns)
         # A prompt goes through token by token, as decoding does: a neuron cache sized for one token's
         # neurons need not hold the union of a whole prompt's.
-        return np.concatenate([self.model([t], cache, self.ffns) for t in tokens])
+        out = []
+        for t in tokens:
+            if self.trace is not None:
+                self.trace.step()
+            out.append(self.model([t], cache, self.ffns))
+        return np.concatenate(out)
 
     def close(self) -> None:
         for reader in {id(r): r for r in [self.reader] + [f.lookahead for f in self.ffns or []] if r}.values():
@@ -378,6 +386,13 @@ def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: flo
     memory = plan(meta, mode, tokens, ram_budget)
     arch, args = architecture(meta["config"])
     globals_ = {k: _float(v) for k, v in _resident(image / "resident" / "globals.safetensors").items()}
+    trace = None
+    if meta["predictor"]["kind"] == "trace":
+        from lsparse.bench.synthetic import TRACE, Trace
+        if mode not in ("predicted", "hybrid") or lookahead:
+            raise LsparseError(f"{image} is synthetic (random weights, neuron masks replayed from a recorded "
+                               "trace): run it in predicted or hybrid mode, without lookahead")
+        trace = Trace(image / TRACE)
     costs = CostLog()
     reader = FlashReader(image / NEURONS, workers=workers, direct=direct) if mode != "dense" else None
     gap_rule = "given"
@@ -394,7 +409,7 @@ def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: flo
             weights.update(_dense_ffn(image, meta, layer, resident))
         else:
             ffns.append(SparseFFN(arch, args, meta, layer, resident, reader, mode, window, threshold_shift, costs,
-                                  gap_bytes, memory["cache_slots"][layer["index"]], bundled))
+                                  gap_bytes, memory["cache_slots"][layer["index"]], bundled, trace))
         layers.append(weights)
     if lookahead and ffns and mode in ("exact", "predicted"):
         ahead = Lookahead(FlashReader(image / NEURONS, workers=workers, direct=direct), ThreadPoolExecutor(1))

@@ -1,0 +1,58 @@
+"""Synthetic images: the built-in model's recorded masks replayed onto larger layers, run through the ladder."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lsparse.bench.synthetic import TRACE, Trace, record_trace, write_synthetic
+from lsparse.errors import LsparseError
+from lsparse.image.format import verify
+from lsparse.runtime.image_model import load_image
+from tests.test_sources import lsparse
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory):
+    out = tmp_path_factory.mktemp("synthetic") / "tiny"
+    write_synthetic("tiny-relu", out, bits=4, trace_tokens=512)
+    return out
+
+
+def test_replayed_masks_keep_each_traced_layers_statistics(synthetic):
+    masks, _ = record_trace(512)
+    trace = Trace(synthetic / TRACE)
+    meta = json.loads((synthetic / "manifest.json").read_text())
+    for layer in meta["layers"]:
+        replayed = trace.all_masks(layer["index"], len(masks))
+        traced = masks[:, layer["index"] % masks.shape[1]]
+        # every tile replays the whole trace once, permuted: the same share of neurons fire, token for token
+        assert replayed.mean() == pytest.approx(traced.mean(), abs=1e-12)
+        assert layer["calibration"]["active_fraction"] == pytest.approx(traced.mean())
+
+
+def test_synthetic_image_verifies_and_runs_only_where_it_means_something(synthetic):
+    assert verify(synthetic) == []
+    model, _ = load_image(synthetic, "predicted")
+    cache = model.make_cache(8)
+    for t in range(8):
+        model([t + 3], cache)
+    assert sum(s.bytes_read for s in model.costs.steps) > 0
+    for mode in ("exact", "dense"):
+        with pytest.raises(LsparseError, match="synthetic"):
+            load_image(synthetic, mode)
+
+
+def test_synthetic_ladder_reads_less_at_each_rung(synthetic, tmp_path):
+    done = lsparse("bench", str(synthetic), "--variants", str(tmp_path / "variants"), "--prompts", "1",
+                   "--prompt-tokens", "8", "--gen-tokens", "24", "--budgets", "", "--json", timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    rows = {r["rung"]: r for r in result["rows"]}
+    assert list(rows) == ["hybrid", "+predictor", "+window", "+bundles+layout", "+hot", "+4-bit"]
+    assert result["texts"] == [] and all(r["perplexity"] == {} for r in result["rows"])
+    assert rows["+window"]["bytes_per_token"] <= rows["+predictor"]["bytes_per_token"]
+    assert rows["+bundles+layout"]["reads_per_token"] < rows["+window"]["reads_per_token"]
+    assert rows["+4-bit"]["bytes_needed_per_token"] < rows["+hot"]["bytes_needed_per_token"]
+    assert rows["+4-bit"]["bytes_per_token"] < rows["hybrid"]["bytes_per_token"]
