@@ -292,12 +292,13 @@ def bench(image, options: BenchOptions, progress=print) -> dict:
             progress(f"rung {rung.name} of the dense model's RAM")
             spec = {"rung": asdict(rung), "image": str(images[full.variant]), "prompts": prompts[:1],
                     "gen_tokens": options.gen_tokens, "workers": options.workers, "context": context, "quality": {}}
-            try:
-                result = _in_subprocess(spec)
+            try:  # under a hard cap equal to the budget, where this machine can set one
+                result = _in_subprocess(spec, cap=budget if can_cap() else None)
             except LsparseError as e:
                 sweep.append({"rung": rung.name, "budget_bytes": budget, "refused": str(e)})
                 continue
             row = _summary(rung, result, None)
+            row["cgroup"] = result["cgroup"]
             row["perplexity"] = quality_done.get((full.variant, full.mode), {})
             sweep.append(row)
     return {"image": str(image), "source": meta["source"], "synthetic": meta.get("synthetic"),
@@ -332,13 +333,30 @@ def predictor_quality(meta: dict) -> dict:
     return {k: float(np.mean([x[k] for x in q])) for k in q[0] if isinstance(q[0][k], (int, float))}
 
 
-def _in_subprocess(spec: dict) -> dict:
-    done = subprocess.run([sys.executable, "-m", "lsparse.bench.ladder"], input=json.dumps(spec),
-                          capture_output=True, text=True)
+MEMCAP = Path(__file__).resolve().parents[2] / "scripts" / "memcap.py"
+
+
+def can_cap() -> bool:
+    """Whether a hard memory cap can be set here: root, and the cgroup v1 memory controller."""
+    import os
+    return MEMCAP.exists() and os.geteuid() == 0 and Path("/sys/fs/cgroup/memory").is_dir()
+
+
+def _in_subprocess(spec: dict, cap: int | None = None) -> dict:
+    """A rung in a child process; with `cap`, under a hard cgroup memory cap of that many bytes (the page cache
+    counts), whose peak and failures are returned under "cgroup"."""
+    command = [sys.executable, "-m", "lsparse.bench.ladder"]
+    if cap is not None:
+        command = [sys.executable, str(MEMCAP), str(cap), "--", *command]
+    done = subprocess.run(command, input=json.dumps(spec), capture_output=True, text=True)
+    lines = (done.stderr.strip() or "no output").splitlines()
+    report = json.loads(lines.pop()) if cap is not None and lines and lines[-1].startswith("{") else None
     if done.returncode != 0:
-        lines = (done.stderr.strip() or "no output").splitlines()
-        raise LsparseError(f"rung {spec['rung']['name']} failed: {lines[-1]}")
-    return json.loads(done.stdout)
+        why = "killed at its memory cap" if report and report["oom_killed"] else (lines[-1] if lines else "failed")
+        raise LsparseError(f"rung {spec['rung']['name']} failed: {why}")
+    result = json.loads(done.stdout)
+    result["cgroup"] = report
+    return result
 
 
 def print_ladder(result: dict, console=None) -> None:
@@ -367,6 +385,11 @@ def print_ladder(result: dict, console=None) -> None:
     for r in result["sweep"]:
         if "refused" in r:
             console.print(f"{r['rung']}: refused ({r['refused']})")
+        elif r.get("cgroup"):
+            c = r["cgroup"]
+            hit = "yes" if c["cap_hit"] else "no"
+            console.print(f"{r['rung']}: under a hard cgroup cap of {c['cap_bytes'] / 1e6:.0f} MB, peak "
+                          f"{c['peak_bytes'] / 1e6:.0f} MB (page cache included), cap hit: {hit}")
     if result.get("synthetic"):
         console.print(f"Synthetic image: {result['synthetic']['note']}")
     q = result["predictor_quality"]
