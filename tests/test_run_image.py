@@ -71,6 +71,16 @@ def test_lookahead_changes_reads_not_results(relu_image):
     assert total(ahead, "lookahead_used") > 0  # some neurons came from a read started a layer early
 
 
+@pytest.mark.parametrize("mode", ["exact", "predicted"])
+def test_packed_cache_computes_what_the_decoded_one_does_in_less_memory(relu_image, mode):
+    tokens = list(np.random.default_rng(7).integers(3, 512, 30))
+    decoded, _ = load_image(relu_image, mode)
+    packed, _ = load_image(relu_image, mode, packed=True)
+    b = logits(decoded, tokens)
+    np.testing.assert_allclose(logits(packed, tokens), b, atol=1e-5 * np.abs(b).max())
+    assert packed.memory_plan["neuron_cache"] < decoded.memory_plan["neuron_cache"] / 2
+
+
 def test_predicted_mode_runs_and_reports(relu_image):
     result = lsparse("run", str(relu_image), "--mode", "predicted", "-m", "16", "--json")
     assert result.returncode == 0, result.stderr

@@ -50,7 +50,7 @@ def test_synthetic_ladder_reads_less_at_each_rung(synthetic, tmp_path):
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
     rows = {r["rung"]: r for r in result["rows"]}
-    assert list(rows) == ["hybrid", "+predictor", "+window", "+bundles+layout", "+hot", "+4-bit"]
+    assert list(rows) == ["hybrid", "+predictor", "+window", "+bundles+layout", "+hot", "+4-bit", "+packed cache"]
     assert result["texts"] == [] and all(r["perplexity"] == {} for r in result["rows"])
     assert rows["+window"]["bytes_per_token"] <= rows["+predictor"]["bytes_per_token"]
     assert rows["+bundles+layout"]["reads_per_token"] < rows["+window"]["reads_per_token"]

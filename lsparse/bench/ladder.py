@@ -3,10 +3,10 @@ each with its cost per token and its quality against dense.
 
 Each rung adds one idea to the one before: naive (every byte of the model read each token), hybrid (all but
 the FFN resident, the whole FFN read each token), + predictor, + window, + bundles and co-activation layout,
-+ hot neurons, + 4-bit, + lookahead; exact mode and dense with everything in RAM close the table. Rungs that
-need another image (fp16, natural order, no hot neurons) get it by compiling the image's source again with its
-recorded options and one change, once, into a variants folder. Each rung runs in a process of its own, so that its
-peak memory is its own.
++ hot neurons, + 4-bit, + packed cache, + lookahead; exact mode and dense with everything in RAM close the
+table. Rungs that need another image (fp16, natural order, no hot neurons) get it by compiling the image's
+source again with its recorded options and one change, once, into a variants folder. Each rung runs in a
+process of its own, so that its peak memory is its own.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ class Rung:
     gap_bytes: int | None = None  # None: the reader's default gap rule
     budget: int | None = None     # bytes; None: unlimited
     lookahead: bool = False
+    packed: bool = False          # cache kept 4-bit, multiplied by MLX's quantized kernel
     note: str = ""
 
 
@@ -53,6 +54,8 @@ LADDER = [
     Rung("+bundles+layout", "fp16-layout", "predicted", note="row-column bundles, co-activation order, gap rule"),
     Rung("+hot", "fp16-hot", "predicted", note="hot neurons pinned in RAM"),
     Rung("+4-bit", "4bit-hot", "predicted", note="4-bit bundles: the full system"),
+    Rung("+packed cache", "4bit-hot", "predicted", packed=True,
+         note="cached neurons kept 4-bit, multiplied by MLX's quantized kernel"),
     Rung("+lookahead", "4bit-hot", "predicted", lookahead=True, note="the next layer read while this one runs"),
     Rung("exact 4-bit", "4bit-hot", "exact", note="gate resident: lossless against dense 4-bit"),
     Rung("dense 4-bit", "4bit-hot", "dense", note="every weight in RAM"),
@@ -139,7 +142,8 @@ def run_rung(spec: dict) -> dict:
 
     rung = Rung(**spec["rung"])
     kwargs = {"window": rung.window, "bundled": rung.bundled, "workers": spec["workers"],
-              "tokens": spec["context"], "ram_budget": rung.budget, "lookahead": rung.lookahead}
+              "tokens": spec["context"], "ram_budget": rung.budget, "lookahead": rung.lookahead,
+              "packed": rung.packed}
     if rung.gap_bytes is not None:
         kwargs["gap_bytes"] = rung.gap_bytes
     mode = "dense" if rung.mode == "naive" else rung.mode
@@ -311,7 +315,7 @@ def bench(image, options: BenchOptions, progress=print) -> dict:
             "rows": rows, "sweep": sweep}
 
 
-SYNTHETIC_RUNGS = ("hybrid", "+predictor", "+window", "+bundles+layout", "+hot", "+4-bit")
+SYNTHETIC_RUNGS = ("hybrid", "+predictor", "+window", "+bundles+layout", "+hot", "+4-bit", "+packed cache")
 
 
 def _synthetic_base(name: str, options: BenchOptions, progress) -> Path:

@@ -23,8 +23,9 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * UNITS[m.group(2)])
 
 
-def plan(meta: dict, mode: str, tokens: int, budget: int | None) -> dict:
-    """Bytes per component, and the neuron-cache capacity (slots) of each layer."""
+def plan(meta: dict, mode: str, tokens: int, budget: int | None, packed: bool = False) -> dict:
+    """Bytes per component, and the neuron-cache capacity (slots) of each layer. `packed`: cached and hot rows
+    kept as stored (4/8-bit) rather than decoded to fp32."""
     arch, args = architecture(meta["config"])
     d, b = meta["bundle"]["d_model"], meta["bundle"]
     n_kv, head_dim = arch.kv_shape(args)
@@ -33,11 +34,12 @@ def plan(meta: dict, mode: str, tokens: int, budget: int | None) -> dict:
     globals_ = (args.vocab_size * args.hidden_size * (1 if meta["config"].get("tie_word_embeddings") else 2)
                 + 2 * args.hidden_size) * f32
     kv = len(meta["layers"]) * 2 * n_kv * tokens * head_dim * f32
-    hot = sum(len(layer["hot"]) for layer in meta["layers"]) * len(b["components"]) * d * f32
+    row = b["row_bytes"] if packed and meta["quantization"]["bits"] != 16 else d * f32  # one row, as held
+    hot = sum(len(layer["hot"]) for layer in meta["layers"]) * len(b["components"]) * row
     d_ffs = np.array([layer["d_ff"] for layer in meta["layers"]])
     exact = int(d_ffs.sum()) * d * f32 if mode == "exact" else 0
     rows = b["exact_prefix"] if mode == "exact" else len(b["components"])
-    slot = rows * d * f32
+    slot = rows * row
     cold = np.array([layer["region"]["count"] for layer in meta["layers"]])
     active = np.array([_most_loaded_per_token(layer, mode) for layer in meta["layers"]])
     ranks = [layer["predictor"]["rank"] or 0 for layer in meta["layers"]]

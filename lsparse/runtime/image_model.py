@@ -14,6 +14,7 @@ from lsparse.calibrate.predictors import predictor_scores
 from lsparse.errors import LsparseError
 from lsparse.image.bundles import decode_bundles
 from lsparse.image.format import NEURONS, check_for_run, load_manifest
+from lsparse.kernels.cpu import packed_mv, packed_vm
 from lsparse.model import Model, architecture
 from lsparse.model.layers import relu, silu
 from lsparse.model.llama import gate_activation
@@ -57,8 +58,8 @@ class NeuronCache:
     """One layer's cold neurons in RAM: a preallocated slot buffer and a slot table. A neuron stays while one
     of the last `window` tokens used it (LLM in a Flash's sliding window); freed slots are reused in place."""
 
-    def __init__(self, n_neurons: int, capacity: int, n_rows: int, d_model: int, window: int):
-        self.rows = np.zeros((capacity, n_rows, d_model), dtype=np.float32)
+    def __init__(self, n_neurons: int, capacity: int, n_rows: int, row: tuple[int, type], window: int):
+        self.rows = np.zeros((capacity, n_rows, row[0]), dtype=row[1])  # row: (width, dtype) of one stored row
         self.slot_of = np.full(n_neurons, -1, dtype=np.int64)
         self.neuron_of = np.full(capacity, -1, dtype=np.int64)
         self.last_used = np.full(capacity, -(1 << 40), dtype=np.int64)
@@ -106,15 +107,18 @@ class SparseFFN:
 
     def __init__(self, arch, args, meta: dict, layer: dict, resident: dict, reader: FlashReader | None,
                  mode: str, window: int, threshold_shift: float, costs: CostLog, gap_bytes: int, capacity: int,
-                 bundled: bool = True, trace=None):
+                 bundled: bool = True, trace=None, packed: bool = False):
         self.arch, self.args, self.mode, self.reader, self.costs = arch, args, mode, reader, costs
         self.bundled, self.trace, self.index = bundled, trace, layer["index"]
         q, b = meta["quantization"], meta["bundle"]
         self.components, self.stride, d = tuple(b["components"]), b["stride"], b["d_model"]
+        self.d, self.bits, self.group = d, q["bits"], q["group_size"]
+        self.row_bytes = b["row_bytes"]
+        # packed: rows stay as stored (4/8-bit) and are multiplied by MLX's quantized kernel; else decoded fp32
+        self.packed = packed
         self.decode = lambda data, comps: decode_bundles(data, comps, d, q["bits"], q["group_size"])
         self.hot = np.asarray(layer["hot"], dtype=np.int64)
-        hot_rows = self.decode(resident["hot_bundles"], self.components)
-        self.hot_rows = {c: _float(r) for c, r in hot_rows.items()}
+        self.hot_rows = self._split(np.asarray(resident["hot_bundles"]), self.components)
         if mode == "exact":  # only exact mode computes the whole gate; the others never hold it
             exact = self.decode(resident["exact_rows"], (arch.EXACT_PROJECTION,))
             self.exact_rows = _float(exact[arch.EXACT_PROJECTION])
@@ -134,8 +138,8 @@ class SparseFFN:
             self.predictor_threshold = layer["predictor"]["threshold"] + threshold_shift
         # exact mode reads the rows ahead of the resident projection; the others read whole bundles
         self.read_rows = self.components[: b["exact_prefix"]] if mode == "exact" else self.components
-        self.row_bytes = b["row_bytes"]
-        self.cache = NeuronCache(d_ff, capacity, len(self.read_rows), d, window)
+        row = (self.row_bytes, np.uint8) if packed else (d, np.float32)
+        self.cache = NeuronCache(d_ff, capacity, len(self.read_rows), row, window)
         self.gap_bytes = gap_bytes
         self.next = None       # the next layer's SparseFFN, to read ahead for
         self.lookahead = None  # a Lookahead when this layer's neurons may be read ahead
@@ -229,9 +233,26 @@ class SparseFFN:
         return predictor_scores(self.kind, self.predictor, x) > self.predictor_threshold, None
 
     def _rows_block(self, rows: np.ndarray) -> np.ndarray:
-        """Bundle bytes to (neurons, rows read, d_model) float32."""
+        """Bundle bytes to (neurons, rows read, row) as the cache keeps them: packed bytes or decoded fp32."""
+        if self.packed:
+            return rows[:, : len(self.read_rows) * self.row_bytes].reshape(len(rows), len(self.read_rows), -1)
         decoded = self.decode(rows, self.read_rows)
         return np.stack([decoded[c] for c in self.read_rows], axis=1)
+
+    def _split(self, bundles: np.ndarray, components) -> dict:
+        """{component: rows} from bundle bytes, packed or decoded as this FFN computes."""
+        if self.packed:
+            return {c: np.ascontiguousarray(bundles[:, k * self.row_bytes:(k + 1) * self.row_bytes])
+                    for k, c in enumerate(components)}
+        return {c: _float(r) for c, r in self.decode(bundles, components).items()}
+
+    def _mv(self, x, rows):
+        """x @ rows.T: the gate or up values of these neurons."""
+        return packed_mv(x, rows, self.d, self.bits, self.group) if self.packed else x @ rows.T
+
+    def _vm(self, a, rows):
+        """a @ rows: the down projection over these neurons' columns."""
+        return packed_vm(a, rows, self.d, self.bits, self.group) if self.packed else a @ rows
 
     def _read_ahead(self, x_before: np.ndarray) -> None:
         """Lookahead: guess this layer's neurons from the previous layer's FFN input (the hidden state changes
@@ -305,7 +326,7 @@ class SparseFFN:
             data, transferred, io = self.reader.read(spans)
         except OSError as e:
             raise LsparseError(f"reading neuron bundles failed ({e}); run lsparse verify on the image") from None
-        decoded = self.decode(np.concatenate(data).reshape(-1, self.stride), self.components)
+        decoded = self._split(np.concatenate(data).reshape(-1, self.stride), self.components)
         cost.bytes_needed += size
         cost.bytes_read += transferred
         cost.requests += len(spans)
@@ -325,11 +346,11 @@ class SparseFFN:
         if pre_all is not None:
             pre = pre_all[:, neurons]
         else:
-            pre = x @ rows[self.arch.EXACT_PROJECTION].T
+            pre = self._mv(x, rows[self.arch.EXACT_PROJECTION])
             if "up_bias" in self.bias:
                 pre = pre + self.bias["up_bias"][neurons]
-        up = x @ rows["up"].T if "gate" in self.components else None
-        return self._activation(pre, up) @ rows["down"]
+        up = self._mv(x, rows["up"]) if "gate" in self.components else None
+        return self._vm(self._activation(pre, up), rows["down"])
 
 
 class ImageModel:
@@ -372,18 +393,22 @@ def _resident(path: Path) -> dict:
 
 def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: float = 0.0,
                gap_bytes: int | None = None, direct: bool = True, workers: int = 4,
-               ram_budget: int | None = None, tokens: int = 2048, bundled: bool = True, lookahead: bool = False):
+               ram_budget: int | None = None, tokens: int = 2048, bundled: bool = True, lookahead: bool = False,
+               packed: bool = False):
     """(ImageModel, tokenizer) for an image, in one of MODES; with `ram_budget`, the neuron caches are sized to
     fit it (for `tokens` of context) or the budget is refused. `bundled=False` reads each row of a neuron
     apart (an ablation: what bundling saves). `gap_bytes` None: the gap rule measured on the image's device.
-    `lookahead`: each layer starts reading the next one's guessed neurons in the background."""
+    `lookahead`: each layer starts reading the next one's guessed neurons in the background. `packed`: keep
+    the neuron cache and hot neurons as stored (4/8-bit images) and multiply with MLX's quantized kernel."""
+    if packed and load_manifest(image)["quantization"]["bits"] == 16:
+        packed = False  # fp16 rows: decoding is a widening copy, nothing to gain
     if mode not in MODES:
         raise LsparseError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
     image = Path(image)
     meta = load_manifest(image)
     check_for_run(image, meta)
     from lsparse.runtime.budget import plan
-    memory = plan(meta, mode, tokens, ram_budget)
+    memory = plan(meta, mode, tokens, ram_budget, packed)
     arch, args = architecture(meta["config"])
     globals_ = {k: _float(v) for k, v in _resident(image / "resident" / "globals.safetensors").items()}
     trace = None
@@ -409,7 +434,7 @@ def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: flo
             weights.update(_dense_ffn(image, meta, layer, resident))
         else:
             ffns.append(SparseFFN(arch, args, meta, layer, resident, reader, mode, window, threshold_shift, costs,
-                                  gap_bytes, memory["cache_slots"][layer["index"]], bundled, trace))
+                                  gap_bytes, memory["cache_slots"][layer["index"]], bundled, trace, packed))
         layers.append(weights)
     if lookahead and ffns and mode in ("exact", "predicted"):
         ahead = Lookahead(FlashReader(image / NEURONS, workers=workers, direct=direct), ThreadPoolExecutor(1))
