@@ -131,7 +131,7 @@ def write_synthetic(name: str, out, bits: int = 4, hot_fraction: float = 0.1, la
     from lsparse.calibrate.layout import coactivation_order
     from lsparse.calibrate.residency import hot_set
     from lsparse.image.bundles import stride as bundle_stride
-    from lsparse.image.format import FORMAT, MANIFEST, NEURONS, VERSION, sha256_file
+    from lsparse.image.format import FORMAT, MANIFEST, NEURONS, VERSION, sha256_file, staging_directory
     from lsparse.image.quantize import check, row_bytes
     from lsparse.model.llama import BUNDLE, EXACT_PREFIX
     if name not in GEOMETRIES:
@@ -161,10 +161,8 @@ def write_synthetic(name: str, out, bits: int = 4, hot_fraction: float = 0.1, la
         meta_file.write_text(json.dumps({"offsets": offsets_file, "sha256": sha256_file(neuron_file)}))
     file_meta = json.loads(meta_file.read_text())
 
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        (tmp / "resident").mkdir(parents=True)
+    with staging_directory(out) as tmp:
+        (tmp / "resident").mkdir()
         try:
             os.link(neuron_file, tmp / NEURONS)
         except OSError:  # another file system: a copy
@@ -228,10 +226,4 @@ def write_synthetic(name: str, out, bits: int = 4, hot_fraction: float = 0.1, la
             "files": files, "layers": layers,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest) + "\n", encoding="utf-8")
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-        return manifest
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return manifest

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +29,7 @@ from lsparse.calibrate.predictors import (
 from lsparse.calibrate.residency import hot_set, neuron_scores
 from lsparse.errors import LsparseError
 from lsparse.image.bundles import ALIGN_REGION, component_rows, decode_bundles, encode_bundles, stride
-from lsparse.image.format import FORMAT, MANIFEST, NEURONS, VERSION, sha256_file
+from lsparse.image.format import FORMAT, MANIFEST, NEURONS, VERSION, sha256_file, staging_directory
 from lsparse.image.quantize import check, row_bytes
 from lsparse.model import architecture
 from lsparse.model.layers import silu
@@ -199,11 +197,8 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None, t
     check(args.hidden_size, options.bits, options.group_size)
     windows, train_n = _calibration_windows(checkpoint.tokenizer, options)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        (tmp / "resident").mkdir(parents=True)
+    with staging_directory(out) as tmp:
+        (tmp / "resident").mkdir()
         checkpoint.tokenizer.save(tmp)
         from lsparse.model import load_globals
         save_file({k: v.astype(np.float16) for k, v in load_globals(checkpoint, arch, args).items()},
@@ -237,19 +232,4 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None, t
             "files": files, "layers": layers,
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest) + "\n", encoding="utf-8")
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
-        return manifest
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if e.errno == errno.ENOSPC:
-            raise LsparseError(f"the disk is full while writing {out}; nothing was written") from None
-        raise LsparseError(f"cannot write {out}: {e}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return manifest

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from lsparse.errors import LsparseError
@@ -83,3 +87,31 @@ def verify(image: Path) -> list[str]:
             elif sha256_file(neurons, r["offset"], r["size"]) != r["sha256"]:
                 problems.append(f"layer {layer['index']}: neuron region checksum mismatch")
     return problems
+
+
+@contextmanager
+def staging_directory(out: Path):
+    """A temporary sibling of `out` to write an image into; it replaces `out` when the block completes and is
+    removed on any failure, so that nothing half-written ever looks like an image."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        yield tmp
+        if out.exists():
+            old = out.parent / f".{out.name}.old-{os.getpid()}"
+            os.rename(out, old)
+            os.rename(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if e.errno == errno.ENOSPC:
+            raise LsparseError(f"the disk is full while writing {out}; nothing was written") from None
+        raise LsparseError(f"cannot write {out}: {e}") from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise

@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
 import tarfile
 from pathlib import Path
 
 from lsparse.errors import LsparseError
-from lsparse.image.format import MANIFEST, load_manifest, verify
+from lsparse.image.format import MANIFEST, load_manifest, staging_directory, verify
 
 SUFFIX = ".lsimg.zst"
 
@@ -58,17 +57,16 @@ def unpack(packed, out, force: bool = False) -> dict:
         raise LsparseError(f"{out} already exists (pass --force to replace it)")
     if not packed.is_file():
         raise LsparseError(f"{packed}: no such file")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        tmp.mkdir()
-        with open(packed, "rb") as raw, zstandard.ZstdDecompressor().stream_reader(raw) as z:
-            with tarfile.open(fileobj=z, mode="r|") as tar:
-                for member in tar:
-                    if not member.isfile():
-                        raise LsparseError(f"{packed}: {member.name} is not a plain file; not an lsparse pack")
-                    tar.extract(member, tmp, filter="data")  # refuses absolute paths and ../
+    with staging_directory(out) as tmp:
+        try:
+            with open(packed, "rb") as raw, zstandard.ZstdDecompressor().stream_reader(raw) as z:
+                with tarfile.open(fileobj=z, mode="r|") as tar:
+                    for member in tar:
+                        if not member.isfile():
+                            raise LsparseError(f"{packed}: {member.name} is not a plain file; not an lsparse pack")
+                        tar.extract(member, tmp, filter="data")  # refuses absolute paths and ../
+        except (zstandard.ZstdError, tarfile.TarError, EOFError) as e:
+            raise LsparseError(f"{packed}: not a complete lsparse pack ({e})") from None
         problems = verify(tmp)
         if problems:
             raise LsparseError(f"{packed} is damaged: " + "; ".join(problems))
@@ -76,18 +74,4 @@ def unpack(packed, out, force: bool = False) -> dict:
             - set(load_manifest(tmp)["files"])
         if extra:
             raise LsparseError(f"{packed}: files the manifest does not list: {', '.join(sorted(extra))}")
-        if out.exists():
-            shutil.rmtree(out)
-        os.rename(tmp, out)
-        return load_manifest(out)
-    except (zstandard.ZstdError, tarfile.TarError, EOFError) as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise LsparseError(f"{packed}: not a complete lsparse pack ({e})") from None
-    except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if e.errno == errno.ENOSPC:
-            raise LsparseError(f"the disk is full while unpacking into {out}; nothing was written") from None
-        raise LsparseError(f"cannot unpack into {out}: {e}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    return load_manifest(out)
