@@ -52,14 +52,24 @@ test-slow: $(VENV)/.installed-test
 BENCH_IMAGE ?= out/bench-image
 BENCH_TEXTS = --text $(SHARED)/tinystories/validation_100.txt --text $(SHARED)/wikitext-2-raw/wiki.test.raw
 
-# The ladder on the built-in model (table, JSON, CSV and plot in out/bench/), then dense decoding and the reader.
+SHOW_LADDER = $(BIN)/python -c "import json, sys; from lsparse.bench.ladder import print_ladder; \
+	print_ladder(json.load(open(sys.argv[1])))"
+
+# The ladder on the built-in model and at 7B geometry (tables, JSON, CSV and plots in out/bench/), the kernel
+# timings, dense decoding and the reader against fio.
 bench: $(VENV)/.installed-test
 	mkdir -p out/bench
 	$(BIN)/lsparse compile $(DEMO_MODEL) -o $(BENCH_IMAGE) --force > /dev/null
 	$(BIN)/lsparse bench $(BENCH_IMAGE) $(BENCH_TEXTS) --json --csv out/bench/ladder.csv \
 		--plot out/bench/ladder.png > out/bench/ladder.json
-	$(BIN)/python -c "import json; from lsparse.bench.ladder import print_ladder; \
-		print_ladder(json.load(open('out/bench/ladder.json')))"
+	$(SHOW_LADDER) out/bench/ladder.json
+	$(BIN)/lsparse bench synthetic:llama-7b-relu --prompts 1 --prompt-tokens 4 --gen-tokens 12 \
+		--budgets 0.25,0.5 --json --csv out/bench/ladder-7b.csv --plot out/bench/ladder-7b.png \
+		> out/bench/ladder-7b.json
+	$(SHOW_LADDER) out/bench/ladder-7b.json
+	OPENBLAS_NUM_THREADS=1 $(BIN)/lsparse bench kernels --json > out/bench/kernels.json
+	$(BIN)/python -c "import json; from lsparse.bench.kernels import print_kernels; \
+		print_kernels(json.load(open('out/bench/kernels.json')))"
 	$(BIN)/python scripts/bench_dense.py
 	$(BIN)/python scripts/bench_reader.py
 
