@@ -192,3 +192,28 @@ def test_run_refuses_a_damaged_image(relu_image, tmp_path, damage, message):
         (image / "manifest.json").write_text(json.dumps({**manifest, "version": 7}))
     result = lsparse("run", str(image), "-m", "4")
     assert result.returncode == 1 and message in result.stderr and "Traceback" not in result.stderr
+
+
+def test_ctrl_c_while_decoding_exits_130_and_leaves_the_image_intact(relu_image, monkeypatch, capsys):
+    """Ctrl-C arrives in the middle of a token's FFN reads: one line, status 130, the image untouched."""
+    import sys
+
+    from lsparse import cli
+    from lsparse.image.format import verify
+    from lsparse.runtime.image_model import SparseFFN
+    calls = {"n": 0}
+    real = SparseFFN.__call__
+
+    def interrupted(self, *args):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt
+        return real(self, *args)
+
+    monkeypatch.setattr(SparseFFN, "__call__", interrupted)
+    monkeypatch.setattr(sys, "argv", ["lsparse", "run", str(relu_image), "-m", "100"])
+    with pytest.raises(SystemExit) as exit_:
+        cli.main()
+    assert exit_.value.code == 130 and calls["n"] == 3
+    assert capsys.readouterr().err.strip().endswith("interrupted")
+    assert verify(relu_image) == []
