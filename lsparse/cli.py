@@ -281,9 +281,15 @@ def bench(
         print_ladder(result)
 
 
+INTERRUPTED = 130
+
+
 def main():
     try:
-        app(standalone_mode=False)
+        # typer answers Ctrl-C inside a command by returning 130 rather than raising, when not standalone
+        status = app(standalone_mode=False)
+        if status == INTERRUPTED:
+            raise KeyboardInterrupt
     except LsparseError as e:
         if state["debug"]:
             raise
@@ -298,7 +304,7 @@ def main():
         if state["debug"]:
             raise
         print("interrupted", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(INTERRUPTED)
     except BrokenPipeError:
         sys.exit(1)
 
