@@ -43,16 +43,22 @@ def _mlx_parts(rows: np.ndarray, d: int, bits: int, group: int):
     return mx.array(codes), mx.array(scales.astype(np.float32)), mx.array(biases.astype(np.float32))
 
 
-def packed_mv(x: np.ndarray, rows: np.ndarray, d: int, bits: int, group: int = GROUP) -> np.ndarray:
-    """x (t, d) @ rows.T for packed 4- or 8-bit rows (n, row bytes), without decoding them: (t, n)."""
+def packed_parts(rows: np.ndarray, d: int, bits: int, group: int = GROUP) -> tuple:
+    """Packed rows prepared once for packed_mv and packed_vm, for rows that do not change (hot neurons)."""
+    return _mlx_parts(rows, d, bits, group)
+
+
+def packed_mv(x: np.ndarray, rows, d: int, bits: int, group: int = GROUP) -> np.ndarray:
+    """x (t, d) @ rows.T for packed 4- or 8-bit rows (n, row bytes) or their packed_parts, without decoding
+    them: (t, n)."""
     import mlx.core as mx
-    q, s, b = _mlx_parts(rows, d, bits, group)
+    q, s, b = rows if isinstance(rows, tuple) else _mlx_parts(rows, d, bits, group)
     return np.array(mx.quantized_matmul(mx.array(x), q, s, b, transpose=True, group_size=group, bits=bits))
 
 
-def packed_vm(a: np.ndarray, rows: np.ndarray, d: int, bits: int, group: int = GROUP) -> np.ndarray:
-    """a (t, n) @ rows for packed rows (n, row bytes), each a down column: (t, d)."""
+def packed_vm(a: np.ndarray, rows, d: int, bits: int, group: int = GROUP) -> np.ndarray:
+    """a (t, n) @ rows for packed rows (n, row bytes) or their packed_parts, each a down column: (t, d)."""
     import mlx.core as mx
-    q, s, b = _mlx_parts(rows, d, bits, group)
+    q, s, b = rows if isinstance(rows, tuple) else _mlx_parts(rows, d, bits, group)
     return np.array(mx.quantized_matmul(mx.array(a.astype(np.float32)), q, s, b, transpose=False,
                                         group_size=group, bits=bits))

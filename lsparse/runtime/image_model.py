@@ -14,7 +14,7 @@ from lsparse.calibrate.predictors import predictor_scores
 from lsparse.errors import LsparseError
 from lsparse.image.bundles import decode_bundles
 from lsparse.image.format import NEURONS, check_for_run, load_manifest
-from lsparse.kernels.cpu import packed_mv, packed_vm
+from lsparse.kernels.cpu import packed_mv, packed_parts, packed_vm
 from lsparse.model import Model, architecture
 from lsparse.model.layers import relu, silu
 from lsparse.model.llama import gate_activation
@@ -119,6 +119,8 @@ class SparseFFN:
         self.decode = lambda data, comps: decode_bundles(data, comps, d, q["bits"], q["group_size"])
         self.hot = np.asarray(layer["hot"], dtype=np.int64)
         self.hot_rows = self._split(np.asarray(resident["hot_bundles"]), self.components)
+        if packed:  # hot rows never change: ready them for MLX once
+            self.hot_rows = {c: packed_parts(r, d, self.bits, self.group) for c, r in self.hot_rows.items()}
         if mode == "exact":  # only exact mode computes the whole gate; the others never hold it
             exact = self.decode(resident["exact_rows"], (arch.EXACT_PROJECTION,))
             self.exact_rows = _float(exact[arch.EXACT_PROJECTION])
