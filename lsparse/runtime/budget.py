@@ -11,8 +11,9 @@ from lsparse.errors import LsparseError
 from lsparse.model import architecture
 
 # Python, numpy, MLX and lsparse's own code: `lsparse run` peaks at 57 MB (VmHWM) on a tiny image on Linux
-# x86-64 with the mlx[cpu] wheel, weights included.
-PROCESS_BYTES = 64 * 2**20
+# x86-64 with the mlx[cpu] wheel, weights included; with MLX's quantized kernel at work (--packed), about
+# 45 MB more at 7B geometry.
+PROCESS_BYTES = 112 * 2**20
 UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 
 
@@ -35,7 +36,9 @@ def plan(meta: dict, mode: str, tokens: int, budget: int | None, packed: bool = 
                 + 2 * args.hidden_size) * f32
     kv = len(meta["layers"]) * 2 * n_kv * tokens * head_dim * f32
     row = b["row_bytes"] if packed and meta["quantization"]["bits"] != 16 else d * f32  # one row, as held
-    hot = sum(len(layer["hot"]) for layer in meta["layers"]) * len(b["components"]) * row
+    # packed hot rows are held ready for MLX, with their scales and biases widened to fp32
+    hot_row = row + 4 * d // meta["quantization"]["group_size"] if row != d * f32 else row
+    hot = sum(len(layer["hot"]) for layer in meta["layers"]) * len(b["components"]) * hot_row
     d_ffs = np.array([layer["d_ff"] for layer in meta["layers"]])
     exact = int(d_ffs.sum()) * d * f32 if mode == "exact" else 0
     rows = b["exact_prefix"] if mode == "exact" else len(b["components"])
@@ -58,6 +61,10 @@ def plan(meta: dict, mode: str, tokens: int, budget: int | None, packed: bool = 
         # token that loads more still runs, through a buffer of its own (SparseFFN), at the cost of rereads.
         minimum = np.minimum(cold, np.ceil(1.25 * active * d_ffs).astype(int))
         capacity = cold.copy()
+    # While a layer runs: its missing bundles as read (reader buffers) and as rows, and the copies the
+    # products gather; one layer at a time, so the largest counts.
+    working = int(minimum.max()) * 2 * (b["stride"] + slot) if mode in ("exact", "predicted") else 0
+    fixed += working
     need = fixed + int(minimum.sum()) * slot
     if budget is not None:
         if budget < need:
@@ -67,7 +74,7 @@ def plan(meta: dict, mode: str, tokens: int, budget: int | None, packed: bool = 
         if mode not in ("dense", "hybrid") and spare < cold.sum():  # share the cache in proportion to what layers need
             capacity = np.maximum(minimum, np.floor(spare * minimum / max(minimum.sum(), 1)).astype(int))
     return {"process": PROCESS_BYTES, "attention": attention, "embedding_head": globals_, "kv_cache": kv,
-            "hot_neurons": hot, "exact_gate": exact, "predictors": predictors,
+            "hot_neurons": hot, "exact_gate": exact, "predictors": predictors, "working_set": working,
             "neuron_cache": int(capacity.sum()) * slot,
             "total": fixed + int(capacity.sum()) * slot, "smallest_budget": need,
             "cache_slots": capacity.tolist()}
