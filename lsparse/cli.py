@@ -151,6 +151,9 @@ def compile_(
                                            help="Recall the predictor threshold aims at [0.99]."),
     threshold_sparsity: Optional[float] = typer.Option(None, "--threshold-sparsity", min=0.0, max=0.99,
                                                        help="SwiGLU models: share of activations cut [0.5]."),
+    threshold_on: Optional[str] = typer.Option(None, "--threshold-on",
+                                               help="SwiGLU: cut by |silu(gate)| (CATS; exact mode runs it) or by "
+                                                    "|silu(gate) x up| (less quality lost; no exact mode) [gate]."),
     layout: Optional[str] = typer.Option(None, "--layout", help="Cold-neuron order on flash: coactivation or "
                                                                 "natural [coactivation]."),
     force: bool = typer.Option(False, "--force", help="Replace an existing image."),
@@ -163,7 +166,7 @@ def compile_(
     settings = load_preset(config) if config else {}
     given = {"calib_tokens": calib_tokens, "bits": bits, "group_size": group_size, "hot_fraction": hot_fraction,
              "predictor": predictor, "rank": rank, "recall": recall, "threshold_sparsity": threshold_sparsity,
-             "layout": layout}
+             "layout": layout, "threshold_on": threshold_on}
     settings.update({k: v for k, v in given.items() if v is not None})  # the command line wins over a preset
     options = CompileOptions(force=force, **settings)
     if calib:

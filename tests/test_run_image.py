@@ -117,6 +117,31 @@ def test_swiglu_exact_mode_is_exact_against_its_cats_threshold(tmp_path):
     assert 0 < read < 0.6 * exact.dense_ffn_bytes()
 
 
+def test_swiglu_product_threshold_runs_the_thresholded_model_and_refuses_exact_mode(tmp_path):
+    """--threshold-on product cuts by |silu(gate) x up|: hybrid mode must compute exactly the dense model with
+    those per-layer cuts, and exact mode, which cannot know the mask from the gate alone, must refuse."""
+    from lsparse.calibrate.activations import thresholded_ffns
+    from lsparse.errors import LsparseError
+    from lsparse.image.format import load_manifest
+    from lsparse.model import load_model
+    from lsparse.source import resolve
+    folder = write_tiny_llama(tmp_path / "swiglu", {**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 256,
+                                                    "hidden_act": "silu", "max_position_embeddings": 128},
+                              tokenizer=shared_file("stories260K/tok512.model"))
+    options = CompileOptions(calib=shared_file("tinystories/validation_100.txt"), calib_tokens=1024, window=100,
+                             bits=16, predictor="svd", rank=8, threshold_sparsity=0.5, threshold_on="product")
+    compile_image(str(folder), str(tmp_path / "image"), options)
+    with pytest.raises(LsparseError, match="exact mode needs the mask from the resident gate"):
+        load_image(tmp_path / "image", "exact")
+    tokens = list(np.random.default_rng(8).integers(3, 512, 20))
+    hybrid = logits(load_image(tmp_path / "image", "hybrid")[0], tokens)
+    dense = load_model(resolve(str(folder)), "numpy")
+    cuts = [layer["activation_threshold"] for layer in load_manifest(tmp_path / "image")["layers"]]
+    want = dense(tokens, dense.make_cache(len(tokens)), thresholded_ffns(dense, cuts))
+    # fp16 rows move a few neurons across the cut (0.75% of the largest logit here); no cut at all moves 4.6%
+    np.testing.assert_allclose(hybrid, want, atol=2e-2 * np.abs(want).max())
+
+
 def test_neuron_file_truncated_while_running_is_a_clean_error(relu_image, tmp_path):
     import shutil
 

@@ -51,7 +51,8 @@ class CompileOptions:
     predictor: str = "lowrank"
     rank: int = 32
     recall: float = 0.99
-    threshold_sparsity: float = 0.5   # SwiGLU models only: the share of gate activations cut (CATS)
+    threshold_sparsity: float = 0.5   # SwiGLU models only: the share of activations cut
+    threshold_on: str = "gate"        # SwiGLU: |silu(gate)| (CATS; exact mode can run it) or |silu(gate) * up|
     held_out: float = 0.2
     max_gap_bytes: int = 16384        # layout report: read through gaps smaller than this
     predictor_epochs: int = 30
@@ -61,8 +62,9 @@ class CompileOptions:
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
 PRESET_KEYS = ("calib_tokens", "bits", "group_size", "hot_fraction", "predictor", "rank", "recall",
-               "threshold_sparsity", "predictor_epochs", "layout")
+               "threshold_sparsity", "predictor_epochs", "layout", "threshold_on")
 LAYOUTS = ("coactivation", "natural")
+THRESHOLD_ON = ("gate", "product")
 
 
 def load_preset(name: str) -> dict:
@@ -113,10 +115,12 @@ def _compile_layer(cal, arch, args, options: CompileOptions, train_n: int, tmp: 
     tr, ho = slice(0, train_n), slice(train_n, None)
     if relu_sparse(args):
         threshold, active = 0.0, acts != 0
-    else:  # CATS: a threshold on the gate's activation alone, so that a resident gate decides the mask exactly
-        gate = np.abs(silu(x @ w["gate"].T, np))
-        threshold = float(np.quantile(gate[tr], options.threshold_sparsity))
-        active = gate > threshold
+    else:
+        # gate: CATS, a threshold on the gate's activation alone, so that a resident gate decides the mask
+        # exactly; product: on each neuron's coefficient (TEAL-like), which costs less quality but needs up
+        judged = np.abs(silu(x @ w["gate"].T, np)) if options.threshold_on == "gate" else np.abs(acts)
+        threshold = float(np.quantile(judged[tr], options.threshold_sparsity))
+        active = judged > threshold
         acts = acts * active
     inputs = [w[c] for c in arch.BUNDLE if c != "down"]
     scores = neuron_scores(active[tr], acts[tr], inputs, w["down"], cal.input_norms)
@@ -169,6 +173,7 @@ def _compile_layer(cal, arch, args, options: CompileOptions, train_n: int, tmp: 
     held = layer_stats(active[ho], [active[ho].shape[0]])
     hot_share = float(active[ho][:, hot].sum() / max(active[ho].sum(), 1))
     return {"index": cal.index, "d_ff": d_ff, "activation_threshold": threshold,
+            "threshold_on": options.threshold_on,
             "hot": hot.tolist(), "cold_order": cold_order.tolist(),
             "region": {"offset": offset, "count": len(cold_order), "size": len(region),
                        "sha256": hashlib.sha256(region).hexdigest()},
@@ -185,6 +190,8 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None, t
     progress(layers done, layers); training_progress(layer, epochs done, epochs) while a predictor trains."""
     if options.predictor not in KINDS:
         raise LsparseError(f"unknown predictor {options.predictor!r} (choose from {', '.join(KINDS)})")
+    if options.threshold_on not in THRESHOLD_ON:
+        raise LsparseError(f"unknown threshold_on {options.threshold_on!r} (choose from {', '.join(THRESHOLD_ON)})")
     if options.layout not in LAYOUTS:
         raise LsparseError(f"unknown layout {options.layout!r} (choose from {', '.join(LAYOUTS)})")
     out = Path(out)

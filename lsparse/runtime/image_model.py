@@ -126,6 +126,11 @@ class SparseFFN:
             self.exact_rows = _float(exact[arch.EXACT_PROJECTION])
         self.bias = {k: _float(resident[k]) for k in ("up_bias", "down_bias") if k in resident}
         self.threshold = layer["activation_threshold"]
+        self.threshold_on = layer.get("threshold_on", "gate")
+        if mode == "exact" and self.threshold > 0 and self.threshold_on != "gate":
+            raise LsparseError("exact mode needs the mask from the resident gate alone; this SwiGLU image cuts "
+                               "by |silu(gate) x up| (compile --threshold-on product): run it in predicted, "
+                               "hybrid or dense mode")
         d_ff = layer["d_ff"]
         self.position = np.full(d_ff, -1, dtype=np.int64)  # a cold neuron's bundle index in its region
         self.position[np.asarray(layer["cold_order"], dtype=np.int64)] = np.arange(len(layer["cold_order"]))
@@ -164,7 +169,9 @@ class SparseFFN:
         if "gate" not in self.components:  # OPT: relu(fc1 x + b)
             return relu(pre, np)
         a = gate_activation(self.args, pre, up, np)
-        return a * self._active(pre) if self.threshold > 0 else a
+        if self.threshold > 0:
+            return a * (self._active(pre) if self.threshold_on == "gate" else np.abs(a) > self.threshold)
+        return a
 
     def __call__(self, args, w, x, xp):
         if self.mode == "hybrid":
