@@ -31,7 +31,7 @@ def _timeit(fn, seconds: float) -> float:
     return float(np.median(times))
 
 
-def _numpy(d: int, f: int, rng, seconds: float):
+def _numpy(d: int, f: int, rng):
     gate, up, down = (rng.standard_normal((f, d)).astype(np.float32) for _ in range(3))  # down: columns as rows
     x = rng.standard_normal(d).astype(np.float32)
 
@@ -45,7 +45,7 @@ def _numpy(d: int, f: int, rng, seconds: float):
     return step
 
 
-def _mlx_q4(d: int, f: int, rng, seconds: float):
+def _mlx_q4(d: int, f: int, rng):
     import mlx.core as mx
     mats = [mx.quantize(mx.array(rng.standard_normal((f, d)).astype(np.float16)), group_size=64, bits=4)
             for _ in range(3)]
@@ -67,7 +67,7 @@ def _mlx_q4(d: int, f: int, rng, seconds: float):
     return step
 
 
-def _metal_q4(d: int, f: int, rng, seconds: float):
+def _metal_q4(d: int, f: int, rng):
     """lsparse's Metal kernels over slot lists of a fixed capacity (all neurons), padded with -1."""
     import mlx.core as mx
 
@@ -107,7 +107,7 @@ def bench_kernels(geometries=tuple(GEOMETRIES), fractions=FRACTIONS, implementat
     for geometry in geometries:
         d, f = GEOMETRIES[geometry]
         for name in implementations:
-            step = IMPLEMENTATIONS[name](d, f, rng, seconds)
+            step = IMPLEMENTATIONS[name](d, f, rng)
             dense = _timeit(lambda step=step: step(None), seconds)
             for share in fractions:
                 if progress:

@@ -119,11 +119,6 @@ def write_neuron_file(path: Path, layers: int, d_ff: int, pattern: np.ndarray, p
     return offsets
 
 
-def _sha256_range(path: Path, start: int, size: int) -> str:
-    from lsparse.image.format import sha256_file
-    return sha256_file(path, start, size)
-
-
 def write_synthetic(name: str, out, bits: int = 4, hot_fraction: float = 0.1, layout: str = "coactivation",
                     trace_tokens: int = 1024, seed: int = 0, shared: Path | None = None, progress=None) -> dict:
     """Write the synthetic image `name` to `out`; the neuron file of each precision is kept once in `shared`
@@ -189,7 +184,7 @@ def write_synthetic(name: str, out, bits: int = 4, hot_fraction: float = 0.1, la
             cold_order = order[~is_hot[order]]
             region = {"offset": file_meta["offsets"][layer], "count": len(cold_order),
                       "size": len(cold_order) * stride}
-            region["sha256"] = _sha256_range(neuron_file, region["offset"], region["size"])
+            region["sha256"] = sha256_file(neuron_file, region["offset"], region["size"])
             resident = {"q": (wr.standard_normal((64, d)) * 0.02).astype(np.float16),
                         "k": (wr.standard_normal((64, d)) * 0.02).astype(np.float16),
                         "v": (wr.standard_normal((64, d)) * 0.02).astype(np.float16),

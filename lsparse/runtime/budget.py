@@ -35,9 +35,10 @@ def plan(meta: dict, mode: str, tokens: int, budget: int | None, packed: bool = 
     globals_ = (args.vocab_size * args.hidden_size * (1 if meta["config"].get("tie_word_embeddings") else 2)
                 + 2 * args.hidden_size) * f32
     kv = len(meta["layers"]) * 2 * n_kv * tokens * head_dim * f32
-    row = b["row_bytes"] if packed and meta["quantization"]["bits"] != 16 else d * f32  # one row, as held
+    packed = packed and meta["quantization"]["bits"] != 16  # fp16 rows are always held decoded
+    row = b["row_bytes"] if packed else d * f32  # one row, as held
     # packed hot rows are held ready for MLX, with their scales and biases widened to fp32
-    hot_row = row + 4 * d // meta["quantization"]["group_size"] if row != d * f32 else row
+    hot_row = row + 4 * d // meta["quantization"]["group_size"] if packed else row
     hot = sum(len(layer["hot"]) for layer in meta["layers"]) * len(b["components"]) * hot_row
     d_ffs = np.array([layer["d_ff"] for layer in meta["layers"]])
     exact = int(d_ffs.sum()) * d * f32 if mode == "exact" else 0
@@ -46,9 +47,8 @@ def plan(meta: dict, mode: str, tokens: int, budget: int | None, packed: bool = 
     cold = np.array([layer["region"]["count"] for layer in meta["layers"]])
     active = np.array([_most_loaded_per_token(layer, mode) for layer in meta["layers"]])
     ranks = [layer["predictor"]["rank"] or 0 for layer in meta["layers"]]
-    predictors = int(sum((d + n + 1) * r + n for r, n in zip(ranks, d_ffs, strict=True))) * f32
-    if mode != "predicted":
-        predictors = 0
+    predictors = int(sum((d + n + 1) * r + n for r, n in zip(ranks, d_ffs, strict=True))) * f32 \
+        if mode == "predicted" else 0
     fixed = PROCESS_BYTES + attention + globals_ + kv + hot + exact + predictors
     if mode == "dense":
         fixed += int(d_ffs.sum()) * len(b["components"]) * d * f32

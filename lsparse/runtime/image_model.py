@@ -54,6 +54,14 @@ def _float(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
+def _read(reader: FlashReader, spans: list) -> tuple[list, int, float]:
+    """reader.read, with a failed read (a truncated or vanished image) as one line for the user."""
+    try:
+        return reader.read(spans)
+    except OSError as e:
+        raise LsparseError(f"reading neuron bundles failed ({e}); run lsparse verify on the image") from None
+
+
 class NeuronCache:
     """One layer's cold neurons in RAM: a preallocated slot buffer and a slot table. A neuron stays while one
     of the last `window` tokens used it (LLM in a Flash's sliding window); freed slots are reused in place."""
@@ -277,7 +285,7 @@ class SparseFFN:
     def _fetch_ahead(self, neurons: np.ndarray):
         prefix = len(self.read_rows) * self.row_bytes
         rows, spans, transferred, _ = self._read_spans(self.position[neurons], prefix, self.lookahead.reader)
-        return neurons, self._rows_block(rows), len(neurons) * prefix, transferred, spans
+        return neurons, self._rows_block(rows), transferred, spans
 
     def _collect_read_ahead(self, cost):
         """The lookahead read started for this layer, once it has arrived: (neurons, rows, seconds waited)."""
@@ -285,9 +293,7 @@ class SparseFFN:
             return None
         start = time.perf_counter()
         try:
-            neurons, block, _, transferred, spans = self.pending.result()
-        except OSError as e:
-            raise LsparseError(f"reading neuron bundles failed ({e}); run lsparse verify on the image") from None
+            neurons, block, transferred, spans = self.pending.result()
         finally:
             self.pending = None
         cost.bytes_read += transferred
@@ -299,10 +305,7 @@ class SparseFFN:
         the I/O seconds. Bundled: neighbours coalesced under the gap rule. Unbundled (the ablation): each row
         of each neuron is a request of its own, as when gate rows, up rows and down columns are stored apart."""
         cost = self.costs.steps[-1]
-        try:
-            rows, spans, transferred, io = self._read_spans(positions, prefix, self.reader)
-        except OSError as e:
-            raise LsparseError(f"reading neuron bundles failed ({e}); run lsparse verify on the image") from None
+        rows, spans, transferred, io = self._read_spans(positions, prefix, self.reader)
         cost.bytes_needed += len(positions) * prefix
         cost.bytes_read += transferred
         cost.requests += spans
@@ -317,7 +320,7 @@ class SparseFFN:
             rows = np.arange(prefix // self.row_bytes) * self.row_bytes
             starts = self.region + positions[:, None] * self.stride + rows
             spans = [(off, self.row_bytes) for off in starts.ravel().tolist()]
-        data, transferred, io = reader.read(spans)
+        data, transferred, io = _read(reader, spans)
         if self.bundled:
             rows = np.concatenate([chunk.reshape(-1, self.stride)[run - run[0], :prefix]
                                    for (_, _, run), chunk in zip(runs, data, strict=True)])
@@ -331,10 +334,7 @@ class SparseFFN:
         start = time.perf_counter()
         size = self.region_size
         spans = [(self.region + at, min(HYBRID_READ_BYTES, size - at)) for at in range(0, size, HYBRID_READ_BYTES)]
-        try:
-            data, transferred, io = self.reader.read(spans)
-        except OSError as e:
-            raise LsparseError(f"reading neuron bundles failed ({e}); run lsparse verify on the image") from None
+        data, transferred, io = _read(self.reader, spans)
         decoded = self._split(np.concatenate(data).reshape(-1, self.stride), self.components)
         cost.bytes_needed += size
         cost.bytes_read += transferred
