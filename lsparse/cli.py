@@ -58,8 +58,10 @@ def run(
                                              help="Images: plan RAM to fit, e.g. 512MB or 2GB, or refuse."),
     lookahead: bool = typer.Option(False, "--lookahead", help="Images: start reading the next layer's guessed "
                                                               "neurons while this layer computes."),
-    packed: bool = typer.Option(False, "--packed", help="Images at 4/8 bits: keep cached neurons as stored and "
-                                                        "multiply with MLX's quantized kernel (7x less RAM)."),
+    kernels: str = typer.Option("auto", "--kernels", help="Images: what computes the FFNs: auto (metal on a Mac, "
+                                                          "else cpu), cpu (C kernels on rows as stored), mlx "
+                                                          "(MLX's quantized kernel), metal."),
+    packed: bool = typer.Option(False, "--packed", help="Images: the same as --kernels mlx."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ):
     """Generate text from a flash image (exact, predicted or dense) or, with --dense, from any checkpoint."""
@@ -75,7 +77,13 @@ def run(
     run_model(model, prompt, max_tokens, mode=mode, window=window, threshold_shift=threshold, temp=temp,
               top_p=top_p, seed=seed, chat=not ignore_chat_template, revision=revision, tokenizer=tokenizer,
               backend=backend, as_json=as_json, direct=not buffered, ram_budget=ram_budget,
-              lookahead=lookahead, packed=packed)
+              lookahead=lookahead, kernels=_kernels(kernels, packed))
+
+
+def _kernels(kernels: str, packed: bool) -> str:
+    if packed and kernels not in ("auto", "mlx"):
+        raise LsparseError(f"--packed means --kernels mlx; it cannot go with --kernels {kernels}")
+    return "mlx" if packed else kernels
 
 
 @app.command()

@@ -117,6 +117,7 @@ def main() -> None:
     p.add_argument("--llama-python", default=sys.executable, help="a Python with llama-cpp-python installed")
     p.add_argument("--caps", type=float, nargs="+", default=[0.5, 0.25], help="shares of the GGUF's size")
     p.add_argument("--tokens", type=int, default=8)
+    p.add_argument("--kernels", default="cpu", help="lsparse's FFN backend (lsparse run --kernels)")
     args = p.parse_args()
     if not args.gguf.exists():
         print(f"writing {args.gguf}", file=sys.stderr)
@@ -129,12 +130,12 @@ def main() -> None:
         rows.append({"engine": "llama.cpp (mmap)", "cap_share": share, "cap_bytes": cap,
                      "tokens_per_second": out["tokens"] / out["seconds"] if out else None, "cgroup": report})
         print(json.dumps(rows[-1]), flush=True)
-        lsparse = [sys.executable, "-m", "lsparse.cli", "run", str(args.image), "--mode", "predicted", "--packed",
-                   "-m", str(args.tokens), "--json"]
+        lsparse = [sys.executable, "-m", "lsparse.cli", "run", str(args.image), "--mode", "predicted", "--kernels",
+                   args.kernels, "-m", str(args.tokens), "--json"]
         if cap:
             lsparse += ["--ram-budget", str(cap)]
         out, report = capped(cap, lsparse)
-        rows.append({"engine": "lsparse (predicted, packed)", "cap_share": share, "cap_bytes": cap,
+        rows.append({"engine": f"lsparse (predicted, {args.kernels} kernels)", "cap_share": share, "cap_bytes": cap,
                      "tokens_per_second": out["generation_tps"] if out else None,
                      "flash_bytes_per_token": out["flash"]["bytes_read_per_token"] if out else None,
                      "cgroup": report})

@@ -9,30 +9,32 @@ import pytest
 
 from lsparse.image.quantize import quantize_rows
 from lsparse.kernels import cpu
-from lsparse.kernels.metal import BITS, GROUP, KERNELS, METAL_DIR, render
+from lsparse.kernels.metal import BITS, GROUP, KERNELS, METAL_DIR, SOURCES, render
 from lsparse.kernels.proof import clang, syntax_check
-
-SOURCES = [(name, bits) for name in KERNELS for bits in BITS]
 
 
 def test_mlx_generates_exactly_the_source_lsparse_renders_and_commits():
     from lsparse.kernels.capture import capture
     captured = capture()
     assert sorted(captured) == sorted(SOURCES)
-    for (name, bits), source in captured.items():
-        assert source == render(name, bits), f"{name} {bits}-bit: MLX's source differs from lsparse's rendering"
-        committed = (METAL_DIR / "generated" / f"{name}-{bits}.metal").read_text()
-        assert committed == source, f"metal/generated/{name}-{bits}.metal is stale: python -m " \
+    for (name, value), source in captured.items():
+        assert source == render(name, value), f"{name} {value}: MLX's source differs from lsparse's rendering"
+        committed = (METAL_DIR / "generated" / f"{name}-{value}.metal").read_text()
+        assert committed == source, f"metal/generated/{name}-{value}.metal is stale: python -m " \
                                     "lsparse.kernels.capture metal/generated, then review the diff"
 
 
-needs_clang = pytest.mark.skipif(clang() is None, reason="clang++ is absent (`make proof-tools` installs Debian's)")
+def needs_clang_reason() -> str:
+    return "" if clang() else "clang++ is absent (`make proof-tools` installs Debian's)"
+
+
+needs_clang = pytest.mark.skipif(clang() is None, reason=needs_clang_reason() or "clang++ is present")
 
 
 @needs_clang
-@pytest.mark.parametrize("name,bits", SOURCES)
-def test_clang_accepts_every_kernel(name, bits):
-    ok, errors = syntax_check(render(name, bits))
+@pytest.mark.parametrize("name,value", SOURCES)
+def test_clang_accepts_every_kernel(name, value):
+    ok, errors = syntax_check(render(name, value))
     assert ok, errors
 
 
@@ -73,6 +75,39 @@ def test_cpu_path_matches_dense_arithmetic_on_decoded_rows(bits):
                                rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("kernels", ["cpu", "mlx", "reference"])
+def test_backends_multiply_over_slot_lists_as_the_reference_does(kernels):
+    """Each backend's cache store, filled by slot, against numpy on the decoded rows; cpu with and without
+    its C kernels (lsparse/kernels/native), which must have been built here."""
+    from lsparse.image.quantize import dequantize_rows
+    from lsparse.kernels.backends import NATIVE_MIN_WEIGHTS, CpuKernels, select
+    d, n_rows, bits = 2048, 80, 4  # large enough for the C kernels (NATIVE_MIN_WEIGHTS)
+    rng = np.random.default_rng(3)
+    data = quantize_rows(rng.standard_normal((n_rows, d)).astype(np.float32), bits, GROUP)
+    decoded = dequantize_rows(data, d, bits, GROUP)
+    from lsparse.kernels.native import compiler
+    backends = [select(kernels, d, bits, GROUP)]
+    if kernels == "cpu":
+        assert backends[0].gather == "native" or compiler() is None, "a C compiler is here, yet the C kernels " \
+                                                                     "did not build"
+        backends.append(CpuKernels(d, bits, GROUP, native=False))
+    slots_of_rows = rng.permutation(96)[:n_rows]  # a cache of 96 slots, rows placed at random
+    slots = slots_of_rows[rng.choice(n_rows, 60, replace=False)]
+    assert len(slots) * d >= NATIVE_MIN_WEIGHTS
+    row_of_slot = {s: r for r, s in enumerate(slots_of_rows)}
+    x = rng.standard_normal((1, d)).astype(np.float32)
+    a = rng.standard_normal((1, len(slots))).astype(np.float32)
+    a[0, ::3] = 0  # zero coefficients are skipped by the C kernel
+    want_rows = decoded[[row_of_slot[s] for s in slots]]
+    for b in backends:
+        store = b.empty(96)
+        b.put(store, slots_of_rows, b.prepare(data, 1)[:, 0])
+        np.testing.assert_allclose(b.mv(store, slots, x), x @ want_rows.T, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(b.vm(store, slots, a), a @ want_rows, rtol=1e-4, atol=1e-4)
+        held = b.hold(b.prepare(data, 1)[:, 0])
+        np.testing.assert_allclose(b.mv(held, None, x), x @ decoded.T, rtol=1e-4, atol=1e-4)
+
+
 def metal_available():
     try:
         import mlx.core as mx
@@ -95,11 +130,34 @@ def test_metal_kernels_match_the_cpu_path(bits):
     np.testing.assert_allclose(out, cpu.gather_down(w, slots, a, bits, x.shape[0]), rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.metal
+@pytest.mark.skipif(not metal_available(), reason="needs a Mac with Metal (run `make test-metal` there)")
+@pytest.mark.parametrize("cats", [0, 1])
+@pytest.mark.parametrize("n", [7, 300, 11008])
+def test_metal_compaction_matches_the_cpu_path(cats, n):
+    import mlx.core as mx
+
+    from lsparse.kernels import metal
+    pre = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+    indices, count = metal.compact_active(mx.array(pre), mx.array(np.array([0.3], np.float32)), cats)
+    want_indices, want_count = cpu.compact_active(pre, 0.3, cats)
+    np.testing.assert_array_equal(np.array(count), want_count)
+    np.testing.assert_array_equal(np.array(indices), want_indices)
+
+
 def emulate_kernel(name, bits, sanitizer="address", source=None, d=320, capacity=26):
-    """One dispatch in the CPU emulator, with partial threadgroups at the grid's edge, and the numpy answer."""
+    """One dispatch in the CPU emulator, with partial threadgroups at the grid's edge, and the numpy answer.
+    compact_active (bits: CATS 0 or 1) runs over 2100 neurons: 1024 threads, chunks of 3, a short last one."""
     from lsparse.kernels import emulate
-    w, slots, x, a = rows_and_slots(bits, d=d, capacity=capacity)
     binary = emulate.build(name, bits, sanitizer, source)
+    if name == "compact_active":
+        n = 2100
+        pre = np.random.default_rng(n).standard_normal(n).astype(np.float32)
+        got = emulate.run(binary, {"pre": pre, "threshold": np.array([0.3], np.float32)},
+                          {"indices": ((n,), np.int32), "count": ((1,), np.int32)}, grid=(1024, 1, 1),
+                          threadgroup=(1024, 1, 1))
+        return np.concatenate([got["count"], got["indices"]]), np.concatenate(cpu.compact_active(pre, 0.3, bits)[::-1])
+    w, slots, x, a = rows_and_slots(bits, d=d, capacity=capacity)
     if name == "gather_mv":
         got = emulate.run(binary, {"w": w, "slots": slots, "x": x}, {"y": ((capacity,), np.float32)},
                           grid=(32, capacity, 1), threadgroup=(32, 4, 1))["y"]
@@ -111,21 +169,22 @@ def emulate_kernel(name, bits, sanitizer="address", source=None, d=320, capacity
 
 
 @needs_clang
-@pytest.mark.parametrize("name,bits", SOURCES)
-def test_kernels_run_clean_under_asan_and_ubsan_and_match_numpy(name, bits):
-    got, want = emulate_kernel(name, bits)
+@pytest.mark.parametrize("name,value", SOURCES)
+def test_kernels_run_clean_under_asan_and_ubsan_and_match_numpy(name, value):
+    got, want = emulate_kernel(name, value)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
 @needs_clang
 @pytest.mark.parametrize("name", list(KERNELS))
 def test_kernels_run_clean_under_tsan(name):
-    got, want = emulate_kernel(name, 4, sanitizer="thread")
+    got, want = emulate_kernel(name, KERNELS[name].variants[-1 if name == "compact_active" else 0],
+                               sanitizer="thread")
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
 def mutated(name, old, new):
-    source = render(name, 4)
+    source = render(name, KERNELS[name].variants[0])
     assert source.count(old) == 1, f"the mutation's anchor is not unique in {name}"
     return source.replace(old, new)
 
@@ -148,6 +207,14 @@ def test_emulator_catches_a_deleted_barrier():
 
 
 @needs_clang
+def test_emulator_catches_the_compaction_reading_simd_totals_before_the_barrier():
+    from lsparse.kernels.emulate import EmulatorError
+    source = mutated("compact_active", "  threadgroup_barrier(mem_flags::mem_threadgroup);\n  int at", "  int at")
+    with pytest.raises(EmulatorError, match="ThreadSanitizer: data race"):
+        emulate_kernel("compact_active", 0, sanitizer="thread", source=source)
+
+
+@needs_clang
 def test_emulator_catches_simd_sum_in_a_divergent_branch():
     from lsparse.kernels.emulate import EmulatorError
     source = mutated("gather_mv", "  acc = simd_sum(acc);", "  if (lane < 16) {\n    acc = simd_sum(acc);\n  }")
@@ -157,8 +224,8 @@ def test_emulator_catches_simd_sum_in_a_divergent_branch():
 
 def test_kernel_bench_figures_are_consistent():
     from lsparse.bench.kernels import bench_kernels
-    result = bench_kernels(geometries=("builtin",), fractions=(0.1, 1.0), implementations=("numpy",), seconds=0.01)
-    assert [(r["active_share"], r["implementation"]) for r in result["rows"]] == [(0.1, "numpy"), (1.0, "numpy")]
+    result = bench_kernels(geometries=("builtin",), fractions=(0.1, 1.0), implementations=("cpu",), seconds=0.01)
+    assert [(r["active_share"], r["implementation"]) for r in result["rows"]] == [(0.1, "cpu"), (1.0, "cpu")]
     for r in result["rows"]:
         assert r["sparse_ms"] > 0 and r["dense_ms"] > 0
         assert r["speedup"] == pytest.approx(r["dense_ms"] / r["sparse_ms"])

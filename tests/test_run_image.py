@@ -71,14 +71,66 @@ def test_lookahead_changes_reads_not_results(relu_image):
     assert total(ahead, "lookahead_used") > 0  # some neurons came from a read started a layer early
 
 
+def test_dense_mode_computes_what_the_model_does_with_the_decoded_weights(relu_image):
+    """Dense mode goes through the kernel backend; the model's own FFN on the image's decoded rows is the
+    independent reference."""
+    from lsparse.image.bundles import decode_bundles
+    from lsparse.image.format import NEURONS, load_manifest
+    from lsparse.model import Model
+    from lsparse.source.safetensors_store import SafetensorsFile
+    tokens = list(np.random.default_rng(8).integers(3, 512, 20))
+    dense, _ = load_image(relu_image, "dense")
+    meta, b = load_manifest(relu_image), load_manifest(relu_image)["bundle"]
+    neurons = np.fromfile(relu_image / NEURONS, dtype=np.uint8)
+    layers = []
+    for layer, weights in zip(meta["layers"], dense.model.layers, strict=True):
+        hot = SafetensorsFile(relu_image / "resident" / f"layer-{layer['index']:03d}.safetensors").get(
+            "hot_bundles", as_float=False)
+        r = layer["region"]
+        cold = neurons[r["offset"]:r["offset"] + r["size"]].reshape(r["count"], b["stride"])
+        order = np.argsort(np.concatenate([layer["hot"], layer["cold_order"]]))
+        rows = decode_bundles(np.concatenate([hot, cold])[order], tuple(b["components"]), b["d_model"],
+                              meta["quantization"]["bits"], meta["quantization"]["group_size"])
+        layers.append({**weights, "gate": rows["gate"], "up": rows["up"], "down": rows["down"].T.copy()})
+    reference = Model(dense.model.arch, dense.model.args, dense.model.globals, layers, np)
+    want = reference(tokens, reference.make_cache(len(tokens)))
+    np.testing.assert_allclose(dense(tokens, dense.make_cache(len(tokens))), want, atol=1e-4 * np.abs(want).max())
+
+
+@pytest.mark.parametrize("kernels", ["mlx", "reference"])
+@pytest.mark.parametrize("mode", ["exact", "predicted", "hybrid", "dense"])
+def test_every_kernel_backend_computes_what_the_cpu_path_does_in_every_mode(relu_image, mode, kernels):
+    """mlx keeps rows 8-bit and multiplies with MLX; reference is the Metal backend (slot lists of a fixed
+    capacity, rows as stored in MLX arrays, compaction for exact gating) with each Metal kernel call answered
+    by the numpy reference."""
+    tokens = list(np.random.default_rng(7).integers(3, 512, 24))
+    cpu_model, _ = load_image(relu_image, mode, kernels="cpu")
+    other, _ = load_image(relu_image, mode, kernels=kernels)
+    assert other.kernels.name == kernels and cpu_model.kernels.name == "cpu"
+    want = logits(cpu_model, tokens)
+    np.testing.assert_allclose(logits(other, tokens), want, atol=1e-5 * np.abs(want).max())
+    if mode in ("exact", "predicted"):
+        assert sum(s.bytes_read for s in other.costs.steps) > 0  # neurons went through the cache's slot lists
+    # both keep this 8-bit image's rows as stored: about a quarter of the RAM of fp32 rows (plan with None)
+    from lsparse.image.format import load_manifest
+    from lsparse.runtime.budget import plan
+    fp32 = plan(load_manifest(relu_image), mode, 2048, None, None)
+    assert other.memory_plan["hot_neurons"] < 0.3 * fp32["hot_neurons"]
+
+
 @pytest.mark.parametrize("mode", ["exact", "predicted"])
-def test_packed_cache_computes_what_the_decoded_one_does_in_less_memory(relu_image, mode):
-    tokens = list(np.random.default_rng(7).integers(3, 512, 30))
-    decoded, _ = load_image(relu_image, mode)
-    packed, _ = load_image(relu_image, mode, packed=True)
-    b = logits(decoded, tokens)
-    np.testing.assert_allclose(logits(packed, tokens), b, atol=1e-5 * np.abs(b).max())
-    assert packed.memory_plan["neuron_cache"] < decoded.memory_plan["neuron_cache"] / 2
+def test_the_runtime_runs_the_exact_metal_source_in_the_emulator(relu_image, mode):
+    """The Metal backend as on a Mac, but each kernel call runs the exact source MLX would compile, in the CPU
+    emulator under ASan and UBSan: the runtime's slot lists, padding and buffers, checked end to end."""
+    from tests.test_kernels import needs_clang_reason
+    if needs_clang_reason():
+        pytest.skip(needs_clang_reason())
+    tokens = list(np.random.default_rng(9).integers(3, 512, 5))
+    cpu_model, _ = load_image(relu_image, mode, kernels="cpu")
+    emulated, _ = load_image(relu_image, mode, kernels="emulated")
+    want = logits(cpu_model, tokens)
+    np.testing.assert_allclose(logits(emulated, tokens), want, atol=1e-5 * np.abs(want).max())
+    assert sum(s.bytes_read for s in emulated.costs.steps) > 0
 
 
 def test_predicted_mode_runs_and_reports(relu_image):
@@ -187,12 +239,10 @@ def test_run_within_its_budget_under_a_memory_cgroup(relu_image):
 
 def test_the_smallest_budget_still_decodes_exactly(relu_image):
     """With the cache cut to its minimum, neurons are evicted and read again, and nothing changes."""
-    from lsparse.image.format import load_manifest
-    from lsparse.runtime.budget import plan
     tokens = list(np.random.default_rng(3).integers(3, 512, 40))
-    smallest = plan(load_manifest(relu_image), "exact", len(tokens), None)["smallest_budget"]
-    tight, _ = load_image(relu_image, "exact", window=8, ram_budget=smallest, tokens=len(tokens))
     roomy, _ = load_image(relu_image, "exact", window=8, tokens=len(tokens))
+    smallest = roomy.memory_plan["smallest_budget"]
+    tight, _ = load_image(relu_image, "exact", window=8, ram_budget=smallest, tokens=len(tokens))
     assert sum(tight.memory_plan["cache_slots"]) < sum(roomy.memory_plan["cache_slots"])
     a, b = logits(tight, tokens), logits(roomy, tokens)
     np.testing.assert_allclose(a, b, atol=1e-5 * np.abs(b).max())

@@ -40,7 +40,7 @@ class Rung:
     gap_bytes: int | None = None  # None: the reader's default gap rule
     budget: int | None = None     # bytes; None: unlimited
     lookahead: bool = False
-    packed: bool = False          # cache kept 4-bit, multiplied by MLX's quantized kernel
+    kernels: str = "auto"         # the FFN backend (lsparse/kernels/backends.py); mlx: cache kept 4-bit
     note: str = ""
 
 
@@ -54,7 +54,7 @@ LADDER = [
     Rung("+bundles+layout", "fp16-layout", "predicted", note="row-column bundles, co-activation order, gap rule"),
     Rung("+hot", "fp16-hot", "predicted", note="hot neurons pinned in RAM"),
     Rung("+4-bit", "4bit-hot", "predicted", note="4-bit bundles: the full system"),
-    Rung("+packed cache", "4bit-hot", "predicted", packed=True,
+    Rung("+packed cache", "4bit-hot", "predicted", kernels="mlx",
          note="cached neurons kept 4-bit, multiplied by MLX's quantized kernel"),
     Rung("+lookahead", "4bit-hot", "predicted", lookahead=True, note="the next layer read while this one runs"),
     Rung("exact 4-bit", "4bit-hot", "exact", note="gate resident: lossless against dense 4-bit"),
@@ -143,7 +143,7 @@ def run_rung(spec: dict) -> dict:
     rung = Rung(**spec["rung"])
     kwargs = {"window": rung.window, "bundled": rung.bundled, "workers": spec["workers"],
               "tokens": spec["context"], "ram_budget": rung.budget, "lookahead": rung.lookahead,
-              "packed": rung.packed}
+              "kernels": rung.kernels}
     if rung.gap_bytes is not None:
         kwargs["gap_bytes"] = rung.gap_bytes
     mode = "dense" if rung.mode == "naive" else rung.mode
@@ -194,7 +194,7 @@ class NaiveModel:
                 cost.bytes_needed += sum(n for _, n in spans)
                 cost.requests += len(spans)
                 cost.io_s += io
-            out.append(self.dense.model([t], cache))
+            out.append(self.dense.model([t], cache, self.dense.ffns))
         return np.concatenate(out)
 
     def close(self):

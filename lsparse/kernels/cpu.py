@@ -9,6 +9,7 @@ import numpy as np
 
 from lsparse.image.quantize import dequantize_rows
 from lsparse.kernels.metal import GROUP
+from lsparse.model.layers import silu
 
 
 def _rows(w: np.ndarray, slots: np.ndarray, d: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
@@ -29,6 +30,20 @@ def gather_down(w: np.ndarray, slots: np.ndarray, a: np.ndarray, bits: int, d: i
     """sum_i a[i] * row(slots[i]) over the slots that are not padding."""
     valid, rows = _rows(w, slots, d, bits)
     return a[valid].astype(np.float32) @ rows
+
+
+def gate_passes(pre: np.ndarray, cut: float, cats: bool) -> np.ndarray:
+    """Which neurons are active from the gate (OPT: fc1) pre-activation: pre > cut for ReLU-family gates (cut 0,
+    or FATReLU's threshold); |silu(pre)| > cut with CATS (SwiGLU images)."""
+    return np.abs(silu(pre, np)) > cut if cats else pre > cut
+
+
+def compact_active(pre: np.ndarray, cut: float, cats: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(indices, count) as the compact_active kernel writes them: the active neurons ascending, then -1."""
+    active = np.flatnonzero(gate_passes(pre, cut, cats)).astype(np.int32)
+    indices = np.full(len(pre), -1, dtype=np.int32)
+    indices[: len(active)] = active
+    return indices, np.array([len(active)], dtype=np.int32)
 
 
 def _mlx_parts(rows: np.ndarray, d: int, bits: int, group: int):

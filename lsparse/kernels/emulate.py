@@ -12,10 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from lsparse.kernels.metal import GROUP, METAL_DIR, function_name, parameters, render
+from lsparse.kernels.metal import METAL_DIR, function_name, parameters, render, template_args
 from lsparse.kernels.proof import checkable, clang
 
 INCLUDE = METAL_DIR / "proof" / "emulator-include"
+HALF = Path(__file__).parent / "native" / "half.h"  # included by emulator.h
 SANITIZERS = {"address": ("-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"),
               "thread": ("-fsanitize=thread",)}
 ATTRIBUTE_FROM_THREAD = {"thread_position_in_grid": "t.position_in_grid",
@@ -36,7 +37,7 @@ def program(name: str, bits: int, source: str | None = None) -> str:
     source = checkable(source if source is not None else render(name, bits))
     args, loads, saves = [], [], []
     for role, arg, ctype in parameters(name):
-        if role == "input":
+        if role in ("input", "constant"):
             loads.append(f'  auto {arg} = emu::Buffer<{ctype}>::load(dir, "{arg}");')
             args.append(f"{arg}.data.data()")
         elif role == "shape":
@@ -47,7 +48,7 @@ def program(name: str, bits: int, source: str | None = None) -> str:
             args.append(f"{arg}.data.data()")
         else:
             args.append(ATTRIBUTE_FROM_THREAD[arg])
-    fn = f"{function_name(name, bits)}<{bits}, {GROUP}>"
+    fn = f"{function_name(name, bits)}<{', '.join(str(v) for _, v in template_args(name, bits))}>"
     return (source + "\nint main(int argc, char** argv) {\n  if (argc != 4) return 2;\n"
             + "  const std::string dir = argv[1];\n" + "\n".join(loads) + "\n"
             + "  emu::run(emu::dims(argv[2]), emu::dims(argv[3]), [&](const emu::Thread& t) {\n"
@@ -60,7 +61,8 @@ def build(name: str, bits: int, sanitizer: str = "address", source: str | None =
     if compiler is None:
         raise FileNotFoundError("clang++ is not installed (Debian: apt-get install clang; `make proof-tools`)")
     text = program(name, bits, source)
-    key = hashlib.sha256((text + sanitizer + (METAL_DIR / "proof" / "emulator.h").read_text()).encode()).hexdigest()
+    headers = "".join(path.read_text() for path in (METAL_DIR / "proof" / "emulator.h", HALF))
+    key = hashlib.sha256((text + sanitizer + headers).encode()).hexdigest()
     binary = BUILD_DIR / f"{name}-{bits}-{sanitizer}-{key[:16]}"
     if binary.exists():
         return binary
@@ -90,3 +92,30 @@ def run(binary: Path, inputs: dict[str, np.ndarray], outputs: dict[str, tuple[tu
         if done.returncode != 0:
             raise EmulatorError(done.stderr.strip() or f"exit status {done.returncode}")
         return {k: np.fromfile(folder / f"{k}.out", dtype).reshape(shape) for k, (shape, dtype) in outputs.items()}
+
+
+class Ops:
+    """The Metal kernels' calls (lsparse.kernels.metal's signatures, on MLX arrays) answered by the emulator:
+    the exact Metal source, built under ASan and UBSan, dispatched with the grid Metal would get."""
+
+    @staticmethod
+    def _dispatch(name, value, inputs, outputs, n, d=0, bits=4):
+        import mlx.core as mx
+
+        from lsparse.kernels.metal import launch
+        grid, threadgroup = launch(name, n, d, bits)
+        got = run(build(name, value), {k: np.array(v) for k, v in inputs.items()}, outputs, grid, threadgroup)
+        return [mx.array(got[k]) for k in outputs]
+
+    def gather_mv(self, w, slots, x, bits):
+        n = slots.shape[0]
+        return self._dispatch("gather_mv", bits, {"w": w, "slots": slots, "x": x}, {"y": ((n,), np.float32)}, n)[0]
+
+    def gather_down(self, w, slots, a, bits, d):
+        return self._dispatch("gather_down", bits, {"w": w, "slots": slots, "a": a}, {"out": ((d,), np.float32)},
+                              slots.shape[0], d, bits)[0]
+
+    def compact_active(self, pre, threshold, cats):
+        n = pre.shape[0]
+        return self._dispatch("compact_active", int(cats), {"pre": pre, "threshold": threshold},
+                              {"indices": ((n,), np.int32), "count": ((1,), np.int32)}, n)

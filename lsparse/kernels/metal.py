@@ -28,18 +28,35 @@ ATTRIBUTES = {"simdgroup_index_in_threadgroup": "uint", "thread_index_in_simdgro
 C_TYPES = {"float32": "float", "float16": "float16_t", "uint32": "uint32_t", "int32": "int32_t"}
 
 
+COMPACT_THREADS = 1024  # compact_active: one threadgroup, Metal's largest
+
+
 @dataclass(frozen=True)
 class KernelSpec:
     inputs: tuple[tuple[str, str], ...]   # (name, dtype)
     outputs: tuple[tuple[str, str], ...]
+    template: tuple[str, ...]             # template parameters; the first one varies, GROUP is fixed
+    variants: tuple[int, ...]             # the values of the first one that lsparse instantiates
+    constant: tuple[str, ...] = ()        # inputs of fewer than 8 elements: MLX puts them in constant memory
 
 
 KERNELS = {
     "gather_mv": KernelSpec(inputs=(("w", "uint32"), ("slots", "int32"), ("x", "float32")),
-                            outputs=(("y", "float32"),)),
+                            outputs=(("y", "float32"),), template=("BITS", "GROUP"), variants=BITS),
     "gather_down": KernelSpec(inputs=(("w", "uint32"), ("slots", "int32"), ("a", "float32")),
-                              outputs=(("out", "float32"),)),
+                              outputs=(("out", "float32"),), template=("BITS", "GROUP"), variants=BITS),
+    # CATS 0: ReLU-family gates (pre > cut); 1: SwiGLU images cut by |silu(pre)| > cut
+    "compact_active": KernelSpec(inputs=(("pre", "float32"), ("threshold", "float32")),
+                                 outputs=(("indices", "int32"), ("count", "int32")), template=("CATS",),
+                                 variants=(0, 1), constant=("threshold",)),
 }
+SOURCES = tuple((name, value) for name, spec in KERNELS.items() for value in spec.variants)
+
+
+def template_args(name: str, value: int) -> list[tuple[str, int]]:
+    """The kernel's template arguments: `value` for the first parameter, GROUP for GROUP."""
+    first, *rest = KERNELS[name].template
+    return [(first, value)] + [(param, GROUP) for param in rest]
 
 
 def read_source(name: str) -> tuple[str, str]:
@@ -51,27 +68,28 @@ def read_source(name: str) -> tuple[str, str]:
                            "checkout (metal/ beside lsparse/)") from None
 
 
-def function_name(name: str, bits: int) -> str:
+def function_name(name: str, value: int) -> str:
     spec = KERNELS[name]
-    types = [C_TYPES[t] for _, t in spec.inputs + spec.outputs]
-    return f"custom_kernel_lsparse_{name}__{bits}_{GROUP}_" + "_".join(types)
+    types = [C_TYPES[t] + ("c" if arg in spec.constant else "") for arg, t in spec.inputs + spec.outputs]
+    values = "".join(f"_{v}" for _, v in template_args(name, value))
+    return f"custom_kernel_lsparse_{name}_{values}_" + "_".join(types)
 
 
 def parameters(name: str) -> list[tuple[str, str, str]]:
-    """The kernel function's parameters as MLX writes them: (role, name, C type), role being input, shape
-    (an input's shape, passed when the body names it), output or attribute."""
+    """The kernel function's parameters as MLX writes them: (role, name, C type), role being input, constant
+    (a small input), shape (an input's shape, passed when the body names it), output or attribute."""
     _, body = read_source(name)
     spec = KERNELS[name]
     params = []
     for arg, dtype in spec.inputs:
-        params.append(("input", arg, C_TYPES[dtype]))
+        params.append(("constant" if arg in spec.constant else "input", arg, C_TYPES[dtype]))
         if f"{arg}_shape" in body:
             params.append(("shape", f"{arg}_shape", "int"))
     params += [("output", arg, C_TYPES[dtype]) for arg, dtype in spec.outputs]
     return params + [("attribute", attr, kind) for attr, kind in ATTRIBUTES.items() if attr in body]
 
 
-def render(name: str, bits: int) -> str:
+def render(name: str, value: int) -> str:
     """The whole Metal source MLX compiles for this kernel: the header, the signature it writes, the body and
     the explicit instantiation. A test holds this byte for byte against what MLX itself prints."""
     header, body = read_source(name)
@@ -79,6 +97,8 @@ def render(name: str, bits: int) -> str:
     for role, arg, ctype in parameters(name):
         if role == "input":
             params.append(f"  const device {ctype}* {arg} [[buffer({index})]]")
+        elif role == "constant":
+            params.append(f"  const constant {ctype}* {arg} [[buffer({index})]]")
         elif role == "shape":
             params.append(f"  const constant int* {arg} [[buffer({index})]]")
         elif role == "output":
@@ -86,9 +106,10 @@ def render(name: str, bits: int) -> str:
         else:
             params.append(f"  {ctype} {arg} [[{arg}]]")
         index += 1
-    fn = function_name(name, bits)
-    args = f"{bits}, {GROUP}"
-    return (f"{header}template <int BITS, int GROUP>\n[[kernel]] void {fn}(\n" + ",\n".join(params)
+    fn = function_name(name, value)
+    args = ", ".join(str(v) for _, v in template_args(name, value))
+    declared = ", ".join(f"int {param}" for param in KERNELS[name].template)
+    return (f"{header}template <{declared}>\n[[kernel]] void {fn}(\n" + ",\n".join(params)
             + f") {{\n{body}\n}}\n\ntemplate [[host_name(\"{fn}\")]] [[kernel]] decltype({fn}<{args}>) "
             + f"{fn}<{args}>;\n\n")
 
@@ -108,21 +129,44 @@ def kernel(name: str):
     return _compiled[name]
 
 
+def launch(name: str, n: int, d: int = 0, bits: int = 4) -> tuple[tuple, tuple]:
+    """(grid, threadgroup) of a dispatch: n is the slot list's length (compact_active: pre's), d a row's width."""
+    if name == "gather_mv":
+        return (32, n, 1), (32, THREADGROUP_ROWS, 1)
+    if name == "gather_down":
+        words = d * bits // 32
+        return (words, 1, 1), (min(DOWN_THREADS, words), 1, 1)
+    threads = min(COMPACT_THREADS, 32 * -(-n // 32))
+    return (threads, 1, 1), (threads, 1, 1)
+
+
 def gather_mv(w, slots, x, bits: int, verbose: bool = False):
     """y[i] = row(slots[i]) . x: w (slots, row words) uint32, slots (capacity,) int32 padded with -1,
     x (d,) float32; returns (capacity,) float32."""
     import mlx.core as mx
     capacity = slots.shape[0]
-    return kernel("gather_mv")(inputs=[w, slots, x], template=[("BITS", bits), ("GROUP", GROUP)],
-                               grid=(32, capacity, 1), threadgroup=(32, THREADGROUP_ROWS, 1),
-                               output_shapes=[(capacity,)], output_dtypes=[mx.float32], verbose=verbose)[0]
+    grid, threadgroup = launch("gather_mv", capacity)
+    return kernel("gather_mv")(inputs=[w, slots, x], template=template_args("gather_mv", bits), grid=grid,
+                               threadgroup=threadgroup, output_shapes=[(capacity,)], output_dtypes=[mx.float32],
+                               verbose=verbose)[0]
 
 
 def gather_down(w, slots, a, bits: int, d: int, verbose: bool = False):
     """out = sum_i a[i] * row(slots[i]): w (slots, row words) uint32 holding down columns, slots and a
     (capacity,), padded with -1 and 0; returns (d,) float32."""
     import mlx.core as mx
-    words = d * min(bits, 16) // 32
-    return kernel("gather_down")(inputs=[w, slots, a], template=[("BITS", bits), ("GROUP", GROUP)],
-                                 grid=(words, 1, 1), threadgroup=(min(DOWN_THREADS, words), 1, 1),
-                                 output_shapes=[(d,)], output_dtypes=[mx.float32], verbose=verbose)[0]
+    grid, threadgroup = launch("gather_down", slots.shape[0], d, bits)
+    return kernel("gather_down")(inputs=[w, slots, a], template=template_args("gather_down", bits), grid=grid,
+                                 threadgroup=threadgroup, output_shapes=[(d,)], output_dtypes=[mx.float32],
+                                 verbose=verbose)[0]
+
+
+def compact_active(pre, threshold, cats: bool, verbose: bool = False):
+    """(indices, count): the neurons whose pre-activation passes (pre > threshold, or |silu(pre)| > threshold
+    with `cats`), ascending, padded with -1 to pre's length; pre (n,) float32, threshold (1,) float32."""
+    import mlx.core as mx
+    n = pre.shape[0]
+    grid, threadgroup = launch("compact_active", n)
+    return kernel("compact_active")(inputs=[pre, threshold], template=template_args("compact_active", int(cats)),
+                                    grid=grid, threadgroup=threadgroup, output_shapes=[(n,), (1,)],
+                                    output_dtypes=[mx.int32, mx.int32], verbose=verbose)

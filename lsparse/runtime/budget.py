@@ -24,9 +24,10 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * UNITS[m.group(2)])
 
 
-def plan(meta: dict, mode: str, tokens: int, budget: int | None, packed: bool = False) -> dict:
-    """Bytes per component, and the neuron-cache capacity (slots) of each layer. `packed`: cached and hot rows
-    kept as stored (4/8-bit) rather than decoded to fp32."""
+def plan(meta: dict, mode: str, tokens: int, budget: int | None, kernels=None, window: int | None = None) -> dict:
+    """Bytes per component, and the neuron-cache capacity (slots) of each layer, for rows held as the kernel
+    backend `kernels` holds them (lsparse/kernels/backends.py; None: cpu's, decoded to fp32). Without a budget a
+    cache holds `window` tokens' worth of neurons (None: every cold neuron)."""
     arch, args = architecture(meta["config"])
     d, b = meta["bundle"]["d_model"], meta["bundle"]
     n_kv, head_dim = arch.kv_shape(args)
@@ -35,32 +36,35 @@ def plan(meta: dict, mode: str, tokens: int, budget: int | None, packed: bool = 
     globals_ = (args.vocab_size * args.hidden_size * (1 if meta["config"].get("tie_word_embeddings") else 2)
                 + 2 * args.hidden_size) * f32
     kv = len(meta["layers"]) * 2 * n_kv * tokens * head_dim * f32
-    packed = packed and meta["quantization"]["bits"] != 16  # fp16 rows are always held decoded
-    row = b["row_bytes"] if packed else d * f32  # one row, as held
-    # packed hot rows are held ready for MLX, with their scales and biases widened to fp32
-    hot_row = row + 4 * d // meta["quantization"]["group_size"] if packed else row
-    hot = sum(len(layer["hot"]) for layer in meta["layers"]) * len(b["components"]) * hot_row
+
+    def row_bytes(count: int, held: bool = True) -> int:  # one row in a store of `count` rows
+        return kernels.store_row_bytes(int(count), held) if kernels else d * f32
+
+    hot = sum(len(layer["hot"]) * row_bytes(len(layer["hot"])) for layer in meta["layers"]) * len(b["components"])
     d_ffs = np.array([layer["d_ff"] for layer in meta["layers"]])
-    exact = int(d_ffs.sum()) * d * f32 if mode == "exact" else 0
+    exact = sum(int(n) * row_bytes(n) for n in d_ffs) if mode == "exact" else 0  # the resident gate, held
     rows = b["exact_prefix"] if mode == "exact" else len(b["components"])
-    slot = rows * row
     cold = np.array([layer["region"]["count"] for layer in meta["layers"]])
     active = np.array([_most_loaded_per_token(layer, mode) for layer in meta["layers"]])
     ranks = [layer["predictor"]["rank"] or 0 for layer in meta["layers"]]
     predictors = int(sum((d + n + 1) * r + n for r, n in zip(ranks, d_ffs, strict=True))) * f32 \
         if mode == "predicted" else 0
     fixed = PROCESS_BYTES + attention + globals_ + kv + hot + exact + predictors
-    if mode == "dense":
-        fixed += int(d_ffs.sum()) * len(b["components"]) * d * f32
+    if mode == "dense":  # every neuron held, as hot ones are
+        fixed += sum(int(n) * row_bytes(n) for n in d_ffs) * len(b["components"]) - hot
         capacity, minimum = np.zeros_like(cold), np.zeros_like(cold)
-    elif mode == "hybrid":  # one layer's cold bundles at a time, read, decoded and dropped
-        fixed += int(cold.max()) * (b["stride"] + slot)
+    elif mode == "hybrid":  # one layer's cold bundles at a time, read, held and dropped
+        fixed += int(cold.max()) * (b["stride"] + len(b["components"]) * row_bytes(cold.max()))
         capacity, minimum = np.zeros_like(cold), np.zeros_like(cold)
     else:
         # A token's own neurons should fit: a quarter more than the most calibration saw one token load. A
         # token that loads more still runs, through a buffer of its own (SparseFFN), at the cost of rereads.
         minimum = np.minimum(cold, np.ceil(1.25 * active * d_ffs).astype(int))
-        capacity = cold.copy()
+        # a window's neurons at most; stores allocated whole (MLX's, on Metal) would otherwise hold every neuron
+        capacity = cold.copy() if window is None else np.minimum(cold, window * minimum)
+    # a slot's bytes: the rows kept of a neuron, as a store the size of the smallest layer minimum keeps them
+    # (a larger store never keeps a row in more)
+    slot = rows * row_bytes(max(int(minimum.min()), 1), held=False)
     # While a layer runs: its missing bundles as read (reader buffers) and as rows, and the copies the
     # products gather; one layer at a time, so the largest counts.
     working = int(minimum.max()) * 2 * (b["stride"] + slot) if mode in ("exact", "predicted") else 0

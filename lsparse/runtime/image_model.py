@@ -12,11 +12,11 @@ import numpy as np
 
 from lsparse.calibrate.predictors import predictor_scores
 from lsparse.errors import LsparseError
-from lsparse.image.bundles import decode_bundles
 from lsparse.image.format import NEURONS, check_for_run, load_manifest
-from lsparse.kernels.cpu import packed_mv, packed_parts, packed_vm
+from lsparse.kernels import backends
+from lsparse.kernels.cpu import gate_passes
 from lsparse.model import Model, architecture
-from lsparse.model.layers import relu, silu
+from lsparse.model.layers import relu
 from lsparse.model.llama import gate_activation
 from lsparse.runtime.reader import DEFAULT_GAP_BYTES, FlashReader, coalesce
 from lsparse.source.safetensors_store import SafetensorsFile
@@ -63,11 +63,13 @@ def _read(reader: FlashReader, spans: list) -> tuple[list, int, float]:
 
 
 class NeuronCache:
-    """One layer's cold neurons in RAM: a preallocated slot buffer and a slot table. A neuron stays while one
-    of the last `window` tokens used it (LLM in a Flash's sliding window); freed slots are reused in place."""
+    """One layer's cold neurons in RAM: preallocated row stores (one per row of a bundle kept, made by the
+    kernel backend) and a slot table. A neuron stays while one of the last `window` tokens used it (LLM in a
+    Flash's sliding window); freed slots are reused in place."""
 
-    def __init__(self, n_neurons: int, capacity: int, n_rows: int, row: tuple[int, type], window: int):
-        self.rows = np.zeros((capacity, n_rows, row[0]), dtype=row[1])  # row: (width, dtype) of one stored row
+    def __init__(self, n_neurons: int, capacity: int, n_rows: int, window: int, kernels):
+        self.kernels = kernels
+        self.rows = [kernels.empty(capacity) for _ in range(n_rows)]
         self.slot_of = np.full(n_neurons, -1, dtype=np.int64)
         self.neuron_of = np.full(capacity, -1, dtype=np.int64)
         self.last_used = np.full(capacity, -(1 << 40), dtype=np.int64)
@@ -91,7 +93,8 @@ class NeuronCache:
             free = np.flatnonzero(self.neuron_of < 0)
         n = min(len(free), len(neurons))
         slots = free[:n]
-        self.rows[slots] = rows[:n]
+        for k, store in enumerate(self.rows):
+            self.kernels.put(store, slots, rows[:n, k])
         self.slot_of[neurons[:n]] = slots
         self.neuron_of[slots] = neurons[:n]
         self.last_used[slots] = self.clock
@@ -111,30 +114,29 @@ class Lookahead:
 
 
 class SparseFFN:
-    """One layer's FFN from the image: hot neurons resident, cold ones read on demand."""
+    """One layer's FFN from the image: hot neurons resident, cold ones read on demand (dense mode: every neuron
+    resident), computed by a kernel backend (lsparse/kernels/backends.py)."""
 
     def __init__(self, arch, args, meta: dict, layer: dict, resident: dict, reader: FlashReader | None,
                  mode: str, window: int, threshold_shift: float, costs: CostLog, gap_bytes: int, capacity: int,
-                 bundled: bool = True, trace=None, packed: bool = False):
+                 bundled: bool = True, trace=None, kernels=None):
         self.arch, self.args, self.mode, self.reader, self.costs = arch, args, mode, reader, costs
         self.bundled, self.trace, self.index = bundled, trace, layer["index"]
-        q, b = meta["quantization"], meta["bundle"]
-        self.components, self.stride, d = tuple(b["components"]), b["stride"], b["d_model"]
-        self.d, self.bits, self.group = d, q["bits"], q["group_size"]
-        self.row_bytes = b["row_bytes"]
-        # packed: rows stay as stored (4/8-bit) and are multiplied by MLX's quantized kernel; else decoded fp32
-        self.packed = packed
-        self.decode = lambda data, comps: decode_bundles(data, comps, d, q["bits"], q["group_size"])
+        b = meta["bundle"]
+        self.components, self.stride, self.row_bytes = tuple(b["components"]), b["stride"], b["row_bytes"]
+        q = meta["quantization"]
+        self.kernels = kernels or backends.select("cpu", b["d_model"], q["bits"], q["group_size"])
         self.hot = np.asarray(layer["hot"], dtype=np.int64)
-        self.hot_rows = self._split(np.asarray(resident["hot_bundles"]), self.components)
-        if packed:  # hot rows never change: ready them for MLX once
-            self.hot_rows = {c: packed_parts(r, d, self.bits, self.group) for c, r in self.hot_rows.items()}
+        self.hot_rows = self._hold(np.asarray(resident["hot_bundles"]), self.components)
         if mode == "exact":  # only exact mode computes the whole gate; the others never hold it
-            exact = self.decode(resident["exact_rows"], (arch.EXACT_PROJECTION,))
-            self.exact_rows = _float(exact[arch.EXACT_PROJECTION])
+            projection = arch.EXACT_PROJECTION
+            self.exact_rows = self._hold(np.asarray(resident["exact_rows"]), (projection,))[projection]
         self.bias = {k: _float(resident[k]) for k in ("up_bias", "down_bias") if k in resident}
         self.threshold = layer["activation_threshold"]
         self.threshold_on = layer.get("threshold_on", "gate")
+        # the gate's rule: |silu(pre)| > threshold for SwiGLU images (CATS), else pre > the model's ReLU cut
+        self.cats = self.threshold > 0
+        self.cut = self.threshold if self.cats else getattr(args, "relu_threshold", 0.0)
         if mode == "exact" and self.threshold > 0 and self.threshold_on != "gate":
             raise LsparseError("exact mode needs the mask from the resident gate alone; this SwiGLU image cuts "
                                "by |silu(gate) x up| (compile --threshold-on product): run it in predicted, "
@@ -153,41 +155,32 @@ class SparseFFN:
             self.predictor_threshold = layer["predictor"]["threshold"] + threshold_shift
         # exact mode reads the rows ahead of the resident projection; the others read whole bundles
         self.read_rows = self.components[: b["exact_prefix"]] if mode == "exact" else self.components
-        row = (self.row_bytes, np.uint8) if packed else (d, np.float32)
-        self.cache = NeuronCache(d_ff, capacity, len(self.read_rows), row, window)
+        self.cache = NeuronCache(d_ff, capacity, len(self.read_rows), window, self.kernels)
         self.gap_bytes = gap_bytes
         self.next = None       # the next layer's SparseFFN, to read ahead for
         self.lookahead = None  # a Lookahead when this layer's neurons may be read ahead
         self.pending = None    # the read ahead in flight for this layer
 
-    def _exact_pre(self, x):
-        """The resident projection (gate; OPT: fc1 with bias) for every neuron."""
-        pre = x @ self.exact_rows.T
-        return pre + self.bias["up_bias"] if "up_bias" in self.bias else pre
-
-    def _active(self, pre):
-        """Which neurons are active, from the resident projection's pre-activation: ReLU models where the gate
-        passes; SwiGLU images where |silu(gate)| exceeds the layer's CATS threshold."""
-        if self.threshold > 0:
-            return np.abs(silu(pre, np)) > self.threshold
-        return pre > getattr(self.args, "relu_threshold", 0.0)
-
     def _activation(self, pre, up):
-        """Coefficient on the down column from the gate (or fc1) pre-activation and the up values."""
+        """Coefficient on the down column from the gate (or fc1) pre-activation and the up values; dense mode
+        keeps every neuron (the model as compiled, without the image's cut)."""
         if "gate" not in self.components:  # OPT: relu(fc1 x + b)
             return relu(pre, np)
         a = gate_activation(self.args, pre, up, np)
-        if self.threshold > 0:
-            return a * (self._active(pre) if self.threshold_on == "gate" else np.abs(a) > self.threshold)
+        if self.cats and self.mode != "dense":
+            return a * (gate_passes(pre, self.cut, True) if self.threshold_on == "gate"
+                        else np.abs(a) > self.threshold)
         return a
 
     def __call__(self, args, w, x, xp):
         if self.mode == "hybrid":
             return self._stream_all(x)
+        if self.mode == "dense":
+            return self._dense(x)
         cost = self.costs.steps[-1]
         start = time.perf_counter()
         active, pre_all = self._predict(x)
-        needed = np.flatnonzero(active.any(0) & self.is_cold)
+        needed = active[self.is_cold[active]]
         if self.next is not None and self.next.lookahead is not None:
             self.next._read_ahead(x)
         compute = time.perf_counter() - start
@@ -230,53 +223,41 @@ class SparseFFN:
         cost.mem_s += time.perf_counter() - start - io
 
         start = time.perf_counter()
-        rows = {c: cache.rows[slots, k] for k, c in enumerate(self.read_rows)}
-        out = self._partial(x, self.hot, self.hot_rows, pre_all) + self._partial(x, cached, rows, pre_all)
+        stores = dict(zip(self.read_rows, cache.rows, strict=True))
+        out = (self._partial(x, self.hot, self.hot_rows, None, pre_all)
+               + self._partial(x, cached, stores, slots, pre_all))
         if len(overflow):
-            extra = {c: overflow_rows[:, k] for k, c in enumerate(self.read_rows)}
-            out = out + self._partial(x, overflow, extra, pre_all)
+            extra = {c: self.kernels.hold(overflow_rows[:, k]) for k, c in enumerate(self.read_rows)}
+            out = out + self._partial(x, overflow, extra, None, pre_all)
         if "down_bias" in self.bias:
             out = out + self.bias["down_bias"]
         cost.compute_s += time.perf_counter() - start + compute
         return out
 
     def _predict(self, x):
-        """(which neurons are active for each row of x, the resident projection's values or None)."""
-        if self.mode == "exact":
-            pre_all = self._exact_pre(x)
-            return self._active(pre_all), pre_all
+        """(the neurons active for any row of x, ascending; the resident projection's values or None)."""
+        if self.mode == "exact":  # the dense gate product, then the active neurons compacted
+            pre_all, active = self.kernels.gate(self.exact_rows, x, self.bias.get("up_bias"), self.cut, self.cats)
+            return active, pre_all
         if self.trace is not None:  # a synthetic image: the recorded masks, replayed
-            return self.trace.mask(self.index)[None, :], None
-        return predictor_scores(self.kind, self.predictor, x) > self.predictor_threshold, None
+            return np.flatnonzero(self.trace.mask(self.index)), None
+        return np.flatnonzero((predictor_scores(self.kind, self.predictor, x) > self.predictor_threshold).any(0)), None
 
     def _rows_block(self, rows: np.ndarray) -> np.ndarray:
-        """Bundle bytes to (neurons, rows read, row) as the cache keeps them: packed bytes or decoded fp32."""
-        if self.packed:
-            return rows[:, : len(self.read_rows) * self.row_bytes].reshape(len(rows), len(self.read_rows), -1)
-        decoded = self.decode(rows, self.read_rows)
-        return np.stack([decoded[c] for c in self.read_rows], axis=1)
+        """Bundle bytes to (neurons, rows read, row) as the cache keeps them."""
+        return self.kernels.prepare(rows, len(self.read_rows))
 
-    def _split(self, bundles: np.ndarray, components) -> dict:
-        """{component: rows} from bundle bytes, packed or decoded as this FFN computes."""
-        if self.packed:
-            return {c: np.ascontiguousarray(bundles[:, k * self.row_bytes:(k + 1) * self.row_bytes])
-                    for k, c in enumerate(components)}
-        return {c: _float(r) for c, r in self.decode(bundles, components).items()}
-
-    def _mv(self, x, rows):
-        """x @ rows.T: the gate or up values of these neurons."""
-        return packed_mv(x, rows, self.d, self.bits, self.group) if self.packed else x @ rows.T
-
-    def _vm(self, a, rows):
-        """a @ rows: the down projection over these neurons' columns."""
-        return packed_vm(a, rows, self.d, self.bits, self.group) if self.packed else a @ rows
+    def _hold(self, bundles: np.ndarray, components) -> dict:
+        """{component: a held store of its rows} from bundle bytes."""
+        block = self.kernels.prepare(bundles, len(components))
+        return {c: self.kernels.hold(block[:, k]) for k, c in enumerate(components)}
 
     def _read_ahead(self, x_before: np.ndarray) -> None:
         """Lookahead: guess this layer's neurons from the previous layer's FFN input (the hidden state changes
         little from layer to layer: Deja Vu, ShadowLLM) and start reading the uncached ones in the background,
         with a reader of their own, while the previous layer reads and computes."""
         guess, _ = self._predict(x_before)
-        want = np.flatnonzero(guess.any(0) & self.is_cold)
+        want = guess[self.is_cold[guess]]
         want = want[self.cache.slot_of[want] < 0]
         if len(want):
             want = want[np.argsort(self.position[want])]
@@ -335,46 +316,58 @@ class SparseFFN:
         size = self.region_size
         spans = [(self.region + at, min(HYBRID_READ_BYTES, size - at)) for at in range(0, size, HYBRID_READ_BYTES)]
         data, transferred, io = _read(self.reader, spans)
-        decoded = self._split(np.concatenate(data).reshape(-1, self.stride), self.components)
+        rows = self._hold(np.concatenate(data).reshape(-1, self.stride), self.components)
         cost.bytes_needed += size
         cost.bytes_read += transferred
         cost.requests += len(spans)
         cost.io_s += io
         cost.mem_s += time.perf_counter() - start - io
         start = time.perf_counter()
-        out = (self._partial(x, self.hot, self.hot_rows, None)
-               + self._partial(x, self.cold_in_file_order, decoded, None))
+        out = (self._partial(x, self.hot, self.hot_rows, None, None)
+               + self._partial(x, self.cold_in_file_order, rows, None, None))
         if "down_bias" in self.bias:
             out = out + self.bias["down_bias"]
         cost.compute_s += time.perf_counter() - start
         return out
 
-    def _partial(self, x, neurons, rows, pre_all):
+    def _dense(self, x):
+        """Dense mode: every neuron is resident (load_image made them all hot)."""
+        start = time.perf_counter()
+        out = self._partial(x, self.hot, self.hot_rows, None, None)
+        if "down_bias" in self.bias:
+            out = out + self.bias["down_bias"]
+        self.costs.steps[-1].compute_s += time.perf_counter() - start
+        return out
+
+    def _partial(self, x, neurons, stores, slots, pre_all):
+        """The FFN output of these neurons, whose rows are in `stores` at `slots` (None: all of a held store)."""
         if len(neurons) == 0:
             return np.zeros((x.shape[0], self.args.hidden_size), dtype=np.float32)
         if pre_all is not None:
             pre = pre_all[:, neurons]
         else:
-            pre = self._mv(x, rows[self.arch.EXACT_PROJECTION])
+            pre = self.kernels.mv(stores[self.arch.EXACT_PROJECTION], slots, x)
             if "up_bias" in self.bias:
                 pre = pre + self.bias["up_bias"][neurons]
-        up = self._mv(x, rows["up"]) if "gate" in self.components else None
-        return self._vm(self._activation(pre, up), rows["down"])
+        up = self.kernels.mv(stores["up"], slots, x) if "gate" in self.components else None
+        return self.kernels.vm(stores["down"], slots, self._activation(pre, up))
 
 
 class ImageModel:
     """A Model over an image's weights; generation calls it like the dense Model."""
 
-    def __init__(self, model: Model, ffns: list | None, costs: CostLog, meta: dict, reader):
+    def __init__(self, model: Model, ffns: list, costs: CostLog, meta: dict, reader, kernels):
         self.model, self.ffns, self.costs, self.meta, self.reader = model, ffns, costs, meta, reader
+        self.kernels = kernels
         self.trace = ffns[0].trace if ffns else None
+        self.dense = not ffns or ffns[0].mode == "dense"
         self.xp, self.make_cache, self.context_length = model.xp, model.make_cache, model.context_length
 
     def __call__(self, tokens, cache, ffn_fns=None):
         if ffn_fns is not None:
             raise ValueError("an image model's FFNs are its own")
         self.costs.start()
-        if self.ffns is None or (len(tokens) == 1 and self.trace is None):
+        if self.dense or (len(tokens) == 1 and self.trace is None):
             return self.model(tokens, cache, self.ffns)
         # A prompt goes through token by token, as decoding does: a neuron cache sized for one token's
         # neurons need not hold the union of a whole prompt's.
@@ -386,7 +379,7 @@ class ImageModel:
         return np.concatenate(out)
 
     def close(self) -> None:
-        for reader in {id(r): r for r in [self.reader] + [f.lookahead for f in self.ffns or []] if r}.values():
+        for reader in {id(r): r for r in [self.reader] + [f.lookahead for f in self.ffns] if r}.values():
             reader.close()
 
     def dense_ffn_bytes(self) -> int:
@@ -403,21 +396,22 @@ def _resident(path: Path) -> dict:
 def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: float = 0.0,
                gap_bytes: int | None = None, direct: bool = True, workers: int = 4,
                ram_budget: int | None = None, tokens: int = 2048, bundled: bool = True, lookahead: bool = False,
-               packed: bool = False):
+               kernels: str = "auto"):
     """(ImageModel, tokenizer) for an image, in one of MODES; with `ram_budget`, the neuron caches are sized to
     fit it (for `tokens` of context) or the budget is refused. `bundled=False` reads each row of a neuron
     apart (an ablation: what bundling saves). `gap_bytes` None: the gap rule measured on the image's device.
-    `lookahead`: each layer starts reading the next one's guessed neurons in the background. `packed`: keep
-    the neuron cache and hot neurons as stored (4/8-bit images) and multiply with MLX's quantized kernel."""
-    if packed and load_manifest(image)["quantization"]["bits"] == 16:
-        packed = False  # fp16 rows: decoding is a widening copy, nothing to gain
+    `lookahead`: each layer starts reading the next one's guessed neurons in the background. `kernels`: the
+    backend that computes the FFNs (lsparse/kernels/backends.py): auto is Metal on a Mac, numpy elsewhere;
+    mlx keeps 4/8-bit rows as stored and multiplies with MLX's quantized kernel."""
     if mode not in MODES:
         raise LsparseError(f"unknown mode {mode!r} (choose from {', '.join(MODES)})")
     image = Path(image)
     meta = load_manifest(image)
     check_for_run(image, meta)
+    q = meta["quantization"]
+    backend = backends.select(kernels, meta["bundle"]["d_model"], q["bits"], q["group_size"])
     from lsparse.runtime.budget import plan
-    memory = plan(meta, mode, tokens, ram_budget, packed)
+    memory = plan(meta, mode, tokens, ram_budget, backend, window)
     arch, args = architecture(meta["config"])
     globals_ = {k: _float(v) for k, v in _resident(image / "resident" / "globals.safetensors").items()}
     trace = None
@@ -440,10 +434,9 @@ def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: flo
         weights = {k: _float(v) for k, v in resident.items() if v.dtype != np.uint8 and k not in
                    ("A", "B", "bias", "W1", "W2", "b2")}
         if mode == "dense":
-            weights.update(_dense_ffn(image, meta, layer, resident))
-        else:
-            ffns.append(SparseFFN(arch, args, meta, layer, resident, reader, mode, window, threshold_shift, costs,
-                                  gap_bytes, memory["cache_slots"][layer["index"]], bundled, trace, packed))
+            layer, resident = _all_resident(image, meta, layer, resident)
+        ffns.append(SparseFFN(arch, args, meta, layer, resident, reader, mode, window, threshold_shift, costs,
+                              gap_bytes, memory["cache_slots"][layer["index"]], bundled, trace, backend))
         layers.append(weights)
     if lookahead and ffns and mode in ("exact", "predicted"):
         ahead = Lookahead(FlashReader(image / NEURONS, workers=workers, direct=direct), ThreadPoolExecutor(1))
@@ -451,25 +444,18 @@ def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: flo
             this.next, nxt.lookahead = nxt, ahead
     model = Model(arch, args, globals_, layers, np)
     tokenizer = from_folder(image, meta["config"])
-    image_model = ImageModel(model, ffns or None, costs, meta, reader)
+    image_model = ImageModel(model, ffns, costs, meta, reader, backend)
     image_model.memory_plan = memory
     image_model.gap = {"bytes": gap_bytes, "rule": gap_rule}
     return image_model, tokenizer
 
 
-def _dense_ffn(image: Path, meta: dict, layer: dict, resident: dict) -> dict:
-    """Every neuron's rows, in neuron order, at the image's precision (the all-in-RAM baseline)."""
-    q, b = meta["quantization"], meta["bundle"]
-    comps = tuple(b["components"])
+def _all_resident(image: Path, meta: dict, layer: dict, resident: dict) -> tuple[dict, dict]:
+    """Dense mode (the all-in-RAM baseline): the layer with every neuron hot, its cold bundles read from the
+    neuron file into the resident ones."""
     r = layer["region"]
     with open(image / NEURONS, "rb") as f:
         f.seek(r["offset"])
-        cold = np.frombuffer(f.read(r["size"]), dtype=np.uint8).reshape(r["count"], b["stride"])
-    rows = np.concatenate([resident["hot_bundles"], cold])
-    ids = np.concatenate([np.asarray(layer["hot"], dtype=np.int64), np.asarray(layer["cold_order"], dtype=np.int64)])
-    decoded = decode_bundles(rows, comps, b["d_model"], q["bits"], q["group_size"])
-    order = np.argsort(ids)
-    out = {c: _float(decoded[c][order]) for c in comps}
-    out["down"] = np.ascontiguousarray(out["down"].T)
-    out.update({k: _float(resident[k]) for k in ("up_bias", "down_bias") if k in resident})
-    return out
+        cold = np.frombuffer(f.read(r["size"]), dtype=np.uint8).reshape(r["count"], meta["bundle"]["stride"])
+    hot = list(layer["hot"]) + list(layer["cold_order"])
+    return {**layer, "hot": hot}, {**resident, "hot_bundles": np.concatenate([resident["hot_bundles"], cold])}

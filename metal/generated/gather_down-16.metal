@@ -82,6 +82,18 @@ struct Row<16, GROUP> {
     out[1] += a * float(h[2 * word + 1]);
   }
 };
+
+// Whether a neuron is active, from its gate (OPT: fc1) pre-activation: for ReLU-family models where it exceeds
+// the cut (0, or FATReLU's threshold); with CATS (SwiGLU images) where |silu(pre)| does.
+template <int CATS>
+struct Gate {
+  static bool active(float pre, float cut) {
+    if (CATS) {
+      return fabs(pre / (1.0f + exp(-pre))) > cut;
+    }
+    return pre > cut;
+  }
+};
 template <int BITS, int GROUP>
 [[kernel]] void custom_kernel_lsparse_gather_down__16_64_uint32_t_int32_t_float_float(
   const device uint32_t* w [[buffer(0)]],

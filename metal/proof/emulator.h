@@ -1,9 +1,9 @@
 // A CPU emulator for the Metal kernels, so that their bodies run, as C++, under AddressSanitizer, UBSan and
 // ThreadSanitizer on Linux. One std::thread per Metal thread; threadgroups run one after another, each with
 // its threads at once. threadgroup_barrier is a real barrier across the threadgroup; simd_sum and
-// simd_shuffle run in lock-step across the (up to) 32 lanes of a SIMD group, and every lane of the group must
-// reach the same call: a SIMD function or a barrier inside divergent control flow is reported as an error
-// (exit status 3), as is a barrier some threads of a group skip. Partial threadgroups at the grid's edge are
+// simd_prefix_exclusive_sum run in lock-step across the (up to) 32 lanes of a SIMD group, and every lane of
+// the group must reach the same call: a SIMD function or a barrier inside divergent control flow is reported
+// as an error (exit status 3), as is a barrier some threads of a group skip. Partial threadgroups at the grid's edge are
 // made as dispatchThreads makes them, with threads_per_threadgroup giving their real size.
 //
 // The kernel source is included after this header with `threadgroup` arrays rewritten as static (see
@@ -11,6 +11,7 @@
 #pragma once
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -24,30 +25,13 @@
 #include <thread>
 #include <vector>
 
-// IEEE half precision, converted in software (clang's __fp16 needs a runtime library the system lacks).
+#include "../../lsparse/kernels/native/half.h"
+
+// Metal's half: stored as IEEE half, read as float.
 struct half {
   uint16_t bits;
   operator float() const {
-    const uint32_t sign = uint32_t(bits & 0x8000u) << 16, exponent = (bits >> 10) & 0x1Fu, mantissa = bits & 0x3FFu;
-    uint32_t out;
-    if (exponent == 0x1F) {
-      out = sign | 0x7F800000u | (mantissa << 13);
-    } else if (exponent != 0) {
-      out = sign | ((exponent + 112) << 23) | (mantissa << 13);
-    } else if (mantissa == 0) {
-      out = sign;
-    } else {  // subnormal: normalise
-      int e = -1;
-      uint32_t m = mantissa;
-      do {
-        m <<= 1;
-        e++;
-      } while (!(m & 0x400u));
-      out = sign | uint32_t(112 - e) << 23 | ((m & 0x3FFu) << 13);
-    }
-    float f;
-    std::memcpy(&f, &out, sizeof f);
-    return f;
+    return lsparse_half_to_float(bits);
   }
 };
 typedef half float16_t;
@@ -71,13 +55,16 @@ struct Rendezvous {
   std::condition_variable cv;
   int members = 0, arrived = 0, line = -1;
   long generation = 0;
-  std::vector<float> values;
+  std::vector<float> values, before;  // each member's value, and the sum of the values of the lanes before it
   float result = 0.0f;
   const char* what = "";
 
   void complete() {
     float sum = 0.0f;
-    for (float v : values) sum += v;
+    for (size_t i = 0; i < values.size(); i++) {
+      before[i] = sum;
+      sum += values[i];
+    }
     result = sum;
     arrived = 0;
     line = -1;
@@ -85,7 +72,8 @@ struct Rendezvous {
     cv.notify_all();
   }
 
-  float meet(int at, int lane, float value, const char* op) {
+  // The sum of the values of every member, once all have arrived (or, with `prefix`, of the lanes before this).
+  float meet(int at, int lane, float value, const char* op, bool prefix = false) {
     std::unique_lock<std::mutex> lock(m);
     if (arrived == 0) {
       line = at;
@@ -99,13 +87,13 @@ struct Rendezvous {
     long mine = generation;
     if (++arrived == members) {
       complete();
-      return result;
+      return prefix ? before[lane] : result;
     }
     if (!cv.wait_for(lock, std::chrono::seconds(5), [&] { return generation != mine; })) {
       fail(std::string(op) + " at line " + std::to_string(at) + ": " + std::to_string(members - arrived) +
            " thread(s) of the group never arrived (divergent control flow)");
     }
-    return result;
+    return prefix ? before[lane] : result;
   }
 
   void leave() {
@@ -151,10 +139,12 @@ inline void run(Dims grid, Dims group, const std::function<void(const Thread&)>&
         Rendezvous barrier;
         barrier.members = count;
         barrier.values.assign(count, 0.0f);
+        barrier.before.assign(count, 0.0f);
         std::vector<Rendezvous> simd(simds);
         for (int s = 0; s < simds; s++) {
           simd[s].members = std::min(32, count - 32 * s);
           simd[s].values.assign(32, 0.0f);
+          simd[s].before.assign(32, 0.0f);
         }
         std::vector<Context> contexts(count);
         std::vector<std::thread> threads;
@@ -215,10 +205,22 @@ inline void threadgroup_barrier_at(int line) {
   emu::current->group->meet(line, emu::current->index_in_group, 0.0f, "threadgroup_barrier");
 }
 
-inline float simd_sum_at(float x, int line) {
+// Values travel as float: exact for the integers the kernels sum (counts below 2^24).
+template <typename T>
+inline T simd_sum_at(T x, int line) {
   emu::current->simd_ops++;
-  return emu::current->simd->meet(line, emu::current->lane, x, "simd_sum");
+  return T(emu::current->simd->meet(line, emu::current->lane, float(x), "simd_sum"));
 }
+
+template <typename T>
+inline T simd_prefix_exclusive_sum_at(T x, int line) {
+  emu::current->simd_ops++;
+  return T(emu::current->simd->meet(line, emu::current->lane, float(x), "simd_prefix_exclusive_sum", true));
+}
+
+using std::exp;
+using std::fabs;
+using std::min;
 }  // namespace metal
 
 // Metal's address spaces mean nothing here; defined last, as `thread` would break std::thread above.
@@ -230,3 +232,4 @@ inline float simd_sum_at(float x, int line) {
 
 #define threadgroup_barrier(flags) threadgroup_barrier_at(__LINE__)
 #define simd_sum(x) simd_sum_at((x), __LINE__)
+#define simd_prefix_exclusive_sum(x) simd_prefix_exclusive_sum_at((x), __LINE__)

@@ -24,8 +24,13 @@ struct uint3 {
 namespace metal {
 enum class mem_flags { mem_none, mem_device, mem_threadgroup, mem_texture };
 void threadgroup_barrier(mem_flags flags);
-float simd_sum(float x);
+template <typename T>
+T simd_sum(T x);  // Metal's SIMD-group functions take any scalar type and return the same
+template <typename T>
+T simd_prefix_exclusive_sum(T x);
 float simd_shuffle(float x, uint lane);
 float simd_shuffle_down(float x, uint delta);
 float exp(float x);
+float fabs(float x);
+int min(int a, int b);
 }  // namespace metal

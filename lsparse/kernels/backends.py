@@ -1,0 +1,251 @@
+"""The sparse FFN's operations behind one interface, for each way lsparse can compute them; the runtime
+(lsparse/runtime/image_model.py) computes through nothing else.
+
+A store holds one component's rows (gate, up, or down columns) for a set of neurons. `empty` makes one whose
+rows are written by slot (a layer's neuron cache: `put`), answering products over slot lists; `hold` makes
+one of fixed rows (hot neurons, the exact gate, rows read for one token), answering products over all its
+rows (slots None). Values cross the interface as numpy arrays:
+- mv(store, slots, x): x (t, d) -> (t, len(slots)), the gate or up values of those rows;
+- vm(store, slots, a): a (t, len(slots)) -> (t, d), the down projection over them;
+- gate(store, x, bias, cut, cats): exact gating, the gate of every neuron and the active ones, ascending.
+
+Backends (KERNELS):
+- cpu: rows decoded to fp32 as they arrive; products over slot lists by lsparse's gathered C kernels
+  (lsparse/kernels/native.py; numpy's gather-then-multiply where no C compiler is found), over held rows by
+  OpenBLAS: the CPU path, the fastest measured here (docs/BENCHMARKS.md, `lsparse bench kernels`);
+- mlx: rows kept as stored (4/8-bit) and multiplied by MLX's quantized_matmul: a fifth of the RAM at 4 bits;
+- metal: rows kept as stored in MLX arrays; lsparse's Metal kernels (metal/) over slot lists of a fixed
+  capacity padded with -1 (the cache's), MLX's own quantized_matmul over held rows and for the dense gate,
+  compact_active for exact gating's active list;
+- reference and emulated: the metal backend with each Metal kernel call answered by the numpy reference
+  (lsparse/kernels/cpu.py) or by the exact Metal source run in the CPU emulator: how the runtime's use of the
+  kernels is tested where there is no Metal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lsparse.errors import LsparseError
+from lsparse.image.quantize import dequantize_rows, row_bytes
+from lsparse.kernels import cpu
+from lsparse.kernels.native import load as load_native
+
+KERNELS = ("auto", "cpu", "mlx", "metal", "reference", "emulated")
+# Below this many weights per product, a C call's fixed cost (about 9 us through ctypes) loses to numpy's
+# gather-then-multiply; above it, the C kernels win (measured on these machines: d 64 to 1024, 8 to 2048 rows).
+NATIVE_MIN_WEIGHTS = 100_000
+
+
+class CpuKernels:
+    """With the C kernels and a 4/8-bit image, a store large enough for them (NATIVE_MIN_WEIGHTS) keeps its
+    rows as stored, a seventh of fp32's RAM at 4 bits and never decoded, and products run on them in C, as
+    fast as OpenBLAS on fp32 rows (BENCHMARKS); a smaller store holds rows decoded to fp32 for numpy. fp16
+    images, or no C compiler: rows decoded to fp32, products over slot lists in C (or gathered by numpy),
+    over held rows by OpenBLAS."""
+    name = "cpu"
+
+    def __init__(self, d: int, bits: int, group: int, native: bool = True):
+        self.d, self.bits, self.group = d, bits, group
+        self.row_bytes = row_bytes(d, bits, group)
+        self.native = load_native() if native else None
+        self.gather = "native" if self.native else "numpy"  # what multiplies over slot lists
+        self.quantized = self.native is not None and bits != 16  # large stores keep rows as stored
+
+    def store_row_bytes(self, count: int, held: bool) -> int:
+        """The RAM one row takes in a store of `count` rows, held or a cache's (the budget plans with this)."""
+        return self.row_bytes if self._keeps_stored(count) else 4 * self.d
+
+    def prepare(self, data: np.ndarray, k: int) -> np.ndarray:
+        """The first k rows of each bundle (n, bundle bytes), as this backend's stores take them: (n, k, row)."""
+        n = len(data)
+        rows = np.ascontiguousarray(data[:, : k * self.row_bytes]).reshape(n * k, self.row_bytes)
+        if self.quantized:
+            return rows.reshape(n, k, self.row_bytes)
+        return self._decoded(rows).reshape(n, k, self.d)
+
+    def _decoded(self, rows: np.ndarray) -> np.ndarray:
+        return rows if rows.dtype == np.float32 else dequantize_rows(rows, self.d, self.bits, self.group)
+
+    def _keeps_stored(self, count: int) -> bool:
+        return self.quantized and count * self.d >= NATIVE_MIN_WEIGHTS
+
+    def empty(self, count: int):
+        if self._keeps_stored(count):
+            return np.zeros((count, self.row_bytes), dtype=np.uint8)
+        return np.zeros((count, self.d), dtype=np.float32)
+
+    def put(self, store, slots: np.ndarray, rows: np.ndarray) -> None:
+        store[slots] = rows if store.dtype == rows.dtype else self._decoded(rows)
+
+    def hold(self, rows: np.ndarray):
+        return np.ascontiguousarray(rows if self._keeps_stored(len(rows)) else self._decoded(rows))
+
+    def _product(self, store, slots, vector, stored_fn, fp32_fn, numpy_fn):
+        """One product over a store's rows at slots (None: all): in C where it is large enough, else numpy."""
+        stored = store.dtype == np.uint8
+        if self.native and len(store if slots is None else slots) * self.d >= NATIVE_MIN_WEIGHTS and (
+                stored or slots is not None):  # OpenBLAS beats C over all of an fp32 store
+            slots = np.arange(len(store)) if slots is None else slots
+            return np.stack([(stored_fn if stored else fp32_fn)(store, slots, row) for row in vector])
+        rows = store if slots is None else store[slots]
+        return numpy_fn(vector, self._decoded(rows))
+
+    def mv(self, store, slots, x: np.ndarray) -> np.ndarray:
+        return self._product(store, slots, x,
+                             lambda w, s, v: self.native.mv_q(w, s, v, self.bits, self.group),
+                             lambda w, s, v: self.native.mv(w, s, v), lambda v, rows: v @ rows.T)
+
+    def vm(self, store, slots, a: np.ndarray) -> np.ndarray:
+        return self._product(store, slots, a,
+                             lambda w, s, v: self.native.vm_q(w, s, v, self.d, self.bits, self.group),
+                             lambda w, s, v: self.native.vm(w, s, v), lambda v, rows: v @ rows)
+
+    def gate(self, store, x: np.ndarray, bias, cut: float, cats: bool) -> tuple[np.ndarray, np.ndarray]:
+        """(pre-activations (t, n), the neurons active for any row of x): the dense product, then compaction."""
+        pre = self.mv(store, None, x)
+        pre = pre if bias is None else pre + bias
+        return pre, np.flatnonzero(cpu.gate_passes(pre, cut, cats).any(0))
+
+
+class MlxKernels(CpuKernels):
+    """A cache store is the rows' bytes in numpy, gathered and handed to MLX per product; a held store is
+    MLX's (codes, scales, biases), scales and biases widened to fp32 (MLX's CPU quantized_matmul runs 35x
+    slower with fp16 ones here). Keeping the cache in MLX arrays instead (gathered with `take`) measured no
+    faster end to end, and MLX allocates a store whole where numpy's untouched pages cost nothing."""
+    name = "mlx"
+
+    def __init__(self, d, bits, group):
+        super().__init__(d, bits, group, native=False)
+
+    def store_row_bytes(self, count, held):  # held rows' scales and biases are widened to fp32
+        return self.row_bytes + (4 * self.d // self.group if held and self.bits != 16 else 0)
+
+    def prepare(self, data, k):
+        return np.ascontiguousarray(data[:, : k * self.row_bytes]).reshape(len(data), k, self.row_bytes)
+
+    def empty(self, count):
+        return np.zeros((count, self.row_bytes), dtype=np.uint8)
+
+    def hold(self, rows):
+        return cpu.packed_parts(rows, self.d, self.bits, self.group)
+
+    def mv(self, store, slots, x):
+        return cpu.packed_mv(x, store if slots is None else store[slots], self.d, self.bits, self.group)
+
+    def vm(self, store, slots, a):
+        return cpu.packed_vm(a, store if slots is None else store[slots], self.d, self.bits, self.group)
+
+
+class SlotKernels(MlxKernels):
+    """Rows as stored, in MLX arrays; a cache store is (capacity, row words) uint32 and every slot list is
+    padded to its capacity, so that shapes never change while decoding. `ops` answers the Metal kernel calls:
+    lsparse.kernels.metal itself, or a stand-in with the same signatures (REFERENCE_OPS, emulate.OPS)."""
+
+    def __init__(self, d, bits, group, ops, name: str):
+        super().__init__(d, bits, group)
+        self.ops, self.name = ops, name
+
+    def empty(self, count):
+        import mlx.core as mx
+        return mx.zeros((count, self.row_bytes // 4), dtype=mx.uint32)
+
+    def put(self, store, slots, rows):
+        import mlx.core as mx
+        store[mx.array(slots.astype(np.int32))] = mx.array(np.ascontiguousarray(rows).view(np.uint32))
+
+    def hold(self, rows):
+        if self.bits == 16:
+            import mlx.core as mx
+            return mx.array(np.ascontiguousarray(rows).view(np.float16))
+        return super().hold(rows)
+
+    def mv(self, store, slots, x):
+        import mlx.core as mx
+        if slots is None:  # held rows: MLX's own kernels
+            if self.bits == 16:
+                return np.array(mx.matmul(mx.array(x.astype(np.float32)), store.T.astype(mx.float32)))
+            return super().mv(store, None, x)
+        padded = self._padded(store, slots)
+        return np.stack([np.array(self.ops.gather_mv(store, padded, mx.array(row), self.bits))[: len(slots)]
+                         for row in x.astype(np.float32)])
+
+    def vm(self, store, slots, a):
+        import mlx.core as mx
+        if slots is None:
+            if self.bits == 16:
+                return np.array(mx.matmul(mx.array(a.astype(np.float32)), store.astype(mx.float32)))
+            return super().vm(store, None, a)
+        padded = self._padded(store, slots)
+        out = []
+        for row in a.astype(np.float32):
+            coefficients = np.zeros(store.shape[0], dtype=np.float32)
+            coefficients[: len(slots)] = row
+            out.append(np.array(self.ops.gather_down(store, padded, mx.array(coefficients), self.bits, self.d)))
+        return np.stack(out)
+
+    def gate(self, store, x, bias, cut, cats):
+        import mlx.core as mx
+        pre = self.mv(store, None, x)
+        pre = pre if bias is None else pre + bias
+        threshold = mx.array(np.array([cut], dtype=np.float32))
+        active = []
+        for row in pre.astype(np.float32):
+            indices, count = self.ops.compact_active(mx.array(row), threshold, cats)
+            active.append(np.array(indices)[: int(np.array(count)[0])])
+        return pre, active[0] if len(active) == 1 else np.unique(np.concatenate(active))
+
+    @staticmethod
+    def _padded(store, slots):
+        import mlx.core as mx
+        padded = np.full(store.shape[0], -1, dtype=np.int32)
+        padded[: len(slots)] = slots
+        return mx.array(padded)
+
+
+class ReferenceOps:
+    """The Metal kernels' calls answered by the numpy reference, on MLX arrays."""
+
+    @staticmethod
+    def gather_mv(w, slots, x, bits):
+        import mlx.core as mx
+        return mx.array(cpu.gather_mv(np.array(w), np.array(slots), np.array(x), bits))
+
+    @staticmethod
+    def gather_down(w, slots, a, bits, d):
+        import mlx.core as mx
+        return mx.array(cpu.gather_down(np.array(w), np.array(slots), np.array(a), bits, d))
+
+    @staticmethod
+    def compact_active(pre, threshold, cats):
+        import mlx.core as mx
+        indices, count = cpu.compact_active(np.array(pre), float(np.array(threshold)[0]), cats)
+        return mx.array(indices), mx.array(count)
+
+
+def metal_available() -> bool:
+    import mlx.core as mx
+    return mx.metal.is_available()
+
+
+def select(name: str, d: int, bits: int, group: int):
+    """The backend `name` (one of KERNELS) for rows of d weights at `bits`. auto: metal where MLX has a Metal
+    device, cpu elsewhere; mlx on an fp16 image is cpu (decoding fp16 is a widening copy)."""
+    if name not in KERNELS:
+        raise LsparseError(f"unknown kernels {name!r} (choose from {', '.join(KERNELS)})")
+    if name == "auto":
+        name = "metal" if metal_available() else "cpu"
+    if name == "metal":
+        if not metal_available():
+            raise LsparseError("--kernels metal needs a Mac with Metal (mx.metal.is_available() is False here); "
+                               "use --kernels cpu or mlx")
+        from lsparse.kernels import metal
+        return SlotKernels(d, bits, group, metal, "metal")
+    if name == "reference":
+        return SlotKernels(d, bits, group, ReferenceOps, "reference")
+    if name == "emulated":
+        from lsparse.kernels import emulate
+        return SlotKernels(d, bits, group, emulate.Ops(), "emulated")
+    if name == "mlx" and bits != 16:
+        return MlxKernels(d, bits, group)
+    return CpuKernels(d, bits, group)
