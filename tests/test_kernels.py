@@ -222,12 +222,26 @@ def test_emulator_catches_simd_sum_in_a_divergent_branch():
         emulate_kernel("gather_mv", 4, source=source)
 
 
-def test_kernel_bench_figures_are_consistent():
-    from lsparse.bench.kernels import bench_kernels
-    result = bench_kernels(geometries=("builtin",), fractions=(0.1, 1.0), implementations=("cpu",), seconds=0.01)
-    assert [(r["active_share"], r["implementation"]) for r in result["rows"]] == [(0.1, "cpu"), (1.0, "cpu")]
+def test_kernel_bench_figures_are_consistent(monkeypatch):
+    """Through the backends' interface; `reference` stands for metal-q4 (the Metal backend, its kernel calls
+    answered by numpy), so that the Mac's rows of the table are computed by the same code here."""
+    from lsparse.bench import kernels
+    monkeypatch.setitem(kernels.IMPLEMENTATIONS, "reference", ("reference", 4))
+    result = kernels.bench_kernels(geometries=("builtin",), fractions=(0.1, 1.0), implementations=("cpu", "reference"),
+                                   seconds=0.01)
+    assert [(r["active_share"], r["implementation"]) for r in result["rows"]] == [
+        (0.1, "cpu"), (1.0, "cpu"), (0.1, "reference"), (1.0, "reference")]
+    best = min(r["dense_ms"] for r in result["rows"])
     for r in result["rows"]:
         assert r["sparse_ms"] > 0 and r["dense_ms"] > 0
         assert r["speedup"] == pytest.approx(r["dense_ms"] / r["sparse_ms"])
         assert r["ideal_speedup"] == pytest.approx(1 / r["active_share"])
         assert r["share_of_ideal"] == pytest.approx(r["speedup"] / r["ideal_speedup"])
+        assert r["vs_best_dense"] == pytest.approx(best / r["sparse_ms"])
+
+
+def test_kernel_bench_steps_compute_the_same_ffn_in_every_backend():
+    from lsparse.bench.kernels import ffn_step
+    active = np.arange(0, 256, 3)
+    outs = {name: ffn_step(name, 64, 256, np.random.default_rng(5))(active) for name in ("cpu", "mlx-q4")}
+    np.testing.assert_allclose(outs["mlx-q4"], outs["cpu"], rtol=1e-4, atol=1e-4 * np.abs(outs["cpu"]).max())

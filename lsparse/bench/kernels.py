@@ -6,6 +6,8 @@ An FFN step here is what one layer does per token: the gate and up products of t
 activation, and the down product. Sparse: the rows sit in a neuron-cache store and the active neurons come
 as a slot list; dense: every row in a held store, multiplied whole. Backends:
 - cpu: rows kept 4-bit as stored and multiplied where they lie by lsparse's C kernels, sparse and dense;
+- cpu-fp16: an fp16 image's rows, decoded to fp32 as they arrive, multiplied where they lie in C (sparse)
+  and by OpenBLAS (dense);
 - cpu-numpy-gather: the CPU path where no C compiler is found: rows decoded to fp32, gathered by numpy (a
   copy of the rows) and multiplied by OpenBLAS; dense, OpenBLAS over every row;
 - mlx: rows 4-bit, gathered with `take` and multiplied by `quantized_matmul`;
@@ -23,8 +25,9 @@ import numpy as np
 
 GEOMETRIES = {"builtin": (64, 256), "7b": (4096, 11008)}
 FRACTIONS = (0.05, 0.10, 0.20, 0.40, 0.60, 1.00)
-IMPLEMENTATIONS = {"cpu": ("cpu", 4), "cpu-numpy-gather": ("cpu", 4), "mlx-q4": ("mlx", 4),
-                   "metal-q4": ("metal", 4), "metal-fp16": ("metal", 16)}  # name: (backend, bits of the rows)
+IMPLEMENTATIONS = {"cpu": ("cpu", 4), "cpu-fp16": ("cpu", 16), "cpu-numpy-gather": ("cpu", 4),
+                   "mlx-q4": ("mlx", 4), "metal-q4": ("metal", 4),
+                   "metal-fp16": ("metal", 16)}  # name: (backend, bits of the rows)
 
 
 def _timeit(fn, seconds: float) -> float:
