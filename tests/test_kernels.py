@@ -76,36 +76,45 @@ def test_cpu_path_matches_dense_arithmetic_on_decoded_rows(bits):
 
 
 @pytest.mark.parametrize("kernels", ["cpu", "mlx", "reference"])
-def test_backends_multiply_over_slot_lists_as_the_reference_does(kernels):
+@pytest.mark.parametrize("cache_slots", [48, 300])
+def test_backends_multiply_over_slot_lists_as_the_reference_does(kernels, cache_slots):
     """Each backend's cache store, filled by slot, against numpy on the decoded rows; cpu with and without
-    its C kernels (lsparse/kernels/native), which must have been built here."""
+    its C kernels (lsparse/kernels/native), which must have been built here where there is a C compiler. At
+    d = 4096 a store of 48 rows holds them decoded and one of 300 keeps them 4-bit (STORED_MIN_WEIGHTS); a
+    product over 40 slots is large enough for the C kernels (NATIVE_MIN_WEIGHTS)."""
     from lsparse.image.quantize import dequantize_rows
-    from lsparse.kernels.backends import NATIVE_MIN_WEIGHTS, CpuKernels, select
-    d, n_rows, bits = 2048, 80, 4  # large enough for the C kernels (NATIVE_MIN_WEIGHTS)
+    from lsparse.kernels.backends import NATIVE_MIN_WEIGHTS, STORED_MIN_WEIGHTS, CpuKernels, select
+    from lsparse.kernels.native import compiler
+    d, n_rows, bits = 4096, 44, 4
     rng = np.random.default_rng(3)
     data = quantize_rows(rng.standard_normal((n_rows, d)).astype(np.float32), bits, GROUP)
     decoded = dequantize_rows(data, d, bits, GROUP)
-    from lsparse.kernels.native import compiler
     backends = [select(kernels, d, bits, GROUP)]
     if kernels == "cpu":
         assert backends[0].gather == "native" or compiler() is None, "a C compiler is here, yet the C kernels " \
                                                                      "did not build"
         backends.append(CpuKernels(d, bits, GROUP, native=False))
-    slots_of_rows = rng.permutation(96)[:n_rows]  # a cache of 96 slots, rows placed at random
-    slots = slots_of_rows[rng.choice(n_rows, 60, replace=False)]
-    assert len(slots) * d >= NATIVE_MIN_WEIGHTS
+    slots_of_rows = rng.permutation(cache_slots)[:n_rows]  # rows placed at random slots of the cache
+    slots = slots_of_rows[rng.choice(n_rows, 40, replace=False)]
+    assert len(slots) * d >= NATIVE_MIN_WEIGHTS and (cache_slots * d >= STORED_MIN_WEIGHTS) == (cache_slots == 300)
     row_of_slot = {s: r for r, s in enumerate(slots_of_rows)}
     x = rng.standard_normal((1, d)).astype(np.float32)
     a = rng.standard_normal((1, len(slots))).astype(np.float32)
     a[0, ::3] = 0  # zero coefficients are skipped by the C kernel
     want_rows = decoded[[row_of_slot[s] for s in slots]]
     for b in backends:
-        store = b.empty(96)
+        store = b.empty(cache_slots)
+        if b.name == "cpu" and b.native:
+            assert store.dtype == (np.uint8 if cache_slots == 300 else np.float32)
         b.put(store, slots_of_rows, b.prepare(data, 1)[:, 0])
         np.testing.assert_allclose(b.mv(store, slots, x), x @ want_rows.T, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(b.vm(store, slots, a), a @ want_rows, rtol=1e-4, atol=1e-4)
-        held = b.hold(b.prepare(data, 1)[:, 0])
-        np.testing.assert_allclose(b.mv(held, None, x), x @ decoded.T, rtol=1e-4, atol=1e-4)
+        many = np.repeat(data, 7, axis=0)  # 308 rows: held as stored by cpu with its C kernels
+        held = b.hold(b.prepare(many, 1)[:, 0])
+        np.testing.assert_allclose(b.mv(held, None, x), x @ np.repeat(decoded, 7, axis=0).T, rtol=1e-4, atol=1e-3)
+        coefficients = np.random.default_rng(4).standard_normal((1, len(many))).astype(np.float32)
+        np.testing.assert_allclose(b.vm(held, None, coefficients), coefficients @ np.repeat(decoded, 7, axis=0),
+                                   rtol=1e-4, atol=1e-3)
 
 
 def metal_available():

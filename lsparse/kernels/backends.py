@@ -35,12 +35,17 @@ KERNELS = ("auto", "cpu", "mlx", "metal", "reference", "emulated")
 # Below this many weights per product, a C call's fixed cost (about 9 us through ctypes) loses to numpy's
 # gather-then-multiply; above it, the C kernels win (measured on these machines: d 64 to 1024, 8 to 2048 rows).
 NATIVE_MIN_WEIGHTS = 100_000
+# A store of fewer weights than this (4 MB as fp32: it stays in the CPU's caches) holds them decoded: there
+# OpenBLAS on fp32 rows is several times faster than the C kernels on 4-bit ones (SmolLM2's 576 x 1536 layer:
+# 24 us against 146), and the RAM saved would be small. Larger stores keep rows as stored: at 7B geometry the
+# C kernels match single-threaded OpenBLAS on fp32 rows there, in a seventh of the RAM (BENCHMARKS).
+STORED_MIN_WEIGHTS = 1 << 20
 
 
 class CpuKernels:
-    """With the C kernels and a 4/8-bit image, a store large enough for them (NATIVE_MIN_WEIGHTS) keeps its
-    rows as stored, a seventh of fp32's RAM at 4 bits and never decoded, and products run on them in C, as
-    fast as OpenBLAS on fp32 rows (BENCHMARKS); a smaller store holds rows decoded to fp32 for numpy. fp16
+    """With the C kernels and a 4/8-bit image, a large store (STORED_MIN_WEIGHTS) keeps its rows as stored, a
+    seventh of fp32's RAM at 4 bits and never decoded, and products run on them in C; a smaller one holds rows
+    decoded to fp32. Products of fewer than NATIVE_MIN_WEIGHTS weights run in numpy. fp16
     images, or no C compiler: rows decoded to fp32, products over slot lists in C (or gathered by numpy),
     over held rows by OpenBLAS."""
     name = "cpu"
@@ -68,7 +73,7 @@ class CpuKernels:
         return rows if rows.dtype == np.float32 else dequantize_rows(rows, self.d, self.bits, self.group)
 
     def _keeps_stored(self, count: int) -> bool:
-        return self.quantized and count * self.d >= NATIVE_MIN_WEIGHTS
+        return self.quantized and count * self.d >= STORED_MIN_WEIGHTS
 
     def empty(self, count: int):
         if self._keeps_stored(count):
