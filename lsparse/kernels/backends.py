@@ -10,9 +10,9 @@ rows (slots None). Values cross the interface as numpy arrays:
 - gate(store, x, bias, cut, cats): exact gating, the gate of every neuron and the active ones, ascending.
 
 Backends (KERNELS):
-- cpu: rows decoded to fp32 as they arrive; products over slot lists by lsparse's gathered C kernels
-  (lsparse/kernels/native.py; numpy's gather-then-multiply where no C compiler is found), over held rows by
-  OpenBLAS: the CPU path, the fastest measured here (docs/BENCHMARKS.md, `lsparse bench kernels`);
+- cpu: the CPU path, the fastest measured here (docs/BENCHMARKS.md, `lsparse bench kernels`): lsparse's C
+  kernels (lsparse/kernels/native.py) multiply rows where they lie, 4/8-bit rows as stored in large stores;
+  small stores hold fp32 rows for numpy and OpenBLAS, as does everything where no C compiler is found;
 - mlx: rows kept as stored (4/8-bit) and multiplied by MLX's quantized_matmul: a fifth of the RAM at 4 bits;
 - metal: rows kept as stored in MLX arrays; lsparse's Metal kernels (metal/) over slot lists of a fixed
   capacity padded with -1 (the cache's), MLX's own quantized_matmul over held rows and for the dense gate,
@@ -145,7 +145,7 @@ class MlxKernels(CpuKernels):
 class SlotKernels(MlxKernels):
     """Rows as stored, in MLX arrays; a cache store is (capacity, row words) uint32 and every slot list is
     padded to its capacity, so that shapes never change while decoding. `ops` answers the Metal kernel calls:
-    lsparse.kernels.metal itself, or a stand-in with the same signatures (REFERENCE_OPS, emulate.OPS)."""
+    lsparse.kernels.metal itself, or a stand-in with the same signatures (ReferenceOps, emulate.Ops)."""
 
     def __init__(self, d, bits, group, ops, name: str):
         super().__init__(d, bits, group)

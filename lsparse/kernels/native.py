@@ -42,15 +42,18 @@ def _build():
     sources = SOURCE.read_bytes() + (SOURCE.parent / "half.h").read_bytes()
     key = hashlib.sha256(sources + " ".join((cc, *FLAGS, platform.machine())).encode()).hexdigest()
     path = CACHE / f"gather-{key[:16]}.so"
-    if not path.exists():
-        CACHE.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=CACHE) as tmp:  # built aside, renamed: processes may race here
-            out = Path(tmp) / path.name
-            done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
-            if done.returncode != 0:
-                return None
-            os.replace(out, path)
-    return GatheredProducts(ctypes.CDLL(str(path)))
+    try:
+        if not path.exists():
+            CACHE.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=CACHE) as tmp:  # built aside, renamed: processes may race here
+                out = Path(tmp) / path.name
+                done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+                if done.returncode != 0:
+                    return None
+                os.replace(out, path)
+        return GatheredProducts(ctypes.CDLL(str(path)))
+    except OSError:  # an unwritable cache or a library that will not load: numpy does the work
+        return None
 
 
 class GatheredProducts:
