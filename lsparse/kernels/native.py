@@ -1,7 +1,8 @@
-"""The CPU path's gathered products in C (lsparse/kernels/native/gather.c), compiled on first use with the
-system's C compiler for this machine (-march=native) into ~/.cache/lsparse/native/, and called through
-ctypes, which releases the GIL while they run. Without a compiler, `load` returns None and the CPU path
-gathers with numpy (slower: it copies the rows first)."""
+"""The CPU path's gathered products and the flash reader's batch of reads in C (lsparse/kernels/native/),
+compiled on first use with the system's C compiler for this machine (-march=native) into
+~/.cache/lsparse/native/, and called through ctypes, which releases the GIL while they run. Without a
+compiler, `load` and `read_shared` return None: the CPU path gathers with numpy (slower: it copies the rows
+first) and the reader calls os.preadv from Python (slower below 32 KiB a read)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-SOURCE = Path(__file__).parent / "native" / "gather.c"
+NATIVE = Path(__file__).parent / "native"
+SOURCES = (NATIVE / "gather.c", NATIVE / "read.c")
 # -ffast-math lets the compiler reorder the float sums, which vectorizing them needs
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-shared", "-fPIC")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lsparse" / "native"
@@ -28,30 +30,47 @@ def compiler() -> str | None:
     return next((c for c in (os.environ.get("CC"), "cc", "gcc", "clang") if c and shutil.which(c)), None)
 
 
-def load():
-    """The compiled library (a GatheredProducts), or None where it cannot be built."""
+def library() -> ctypes.CDLL | None:
     if "lib" not in _loaded:
         _loaded["lib"] = _build()
     return _loaded["lib"]
+
+
+def load():
+    """The gathered products (a GatheredProducts), or None where the library cannot be built."""
+    lib = library()
+    return GatheredProducts(lib) if lib is not None else None
+
+
+def read_shared():
+    """lsparse_read_shared(fd, buffer, starts, sizes, at, needed, n, next, failed) (native/read.c), or None."""
+    lib = library()
+    if lib is None:
+        return None
+    fn = lib.lsparse_read_shared
+    fn.argtypes = [ctypes.c_int, *[ctypes.c_void_p] * 5, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p]
+    fn.restype = None
+    return fn
 
 
 def _build():
     cc = compiler()
     if cc is None or os.environ.get("LSPARSE_NO_NATIVE"):
         return None
-    sources = SOURCE.read_bytes() + (SOURCE.parent / "half.h").read_bytes()
+    sources = b"".join(f.read_bytes() for f in (*SOURCES, NATIVE / "half.h"))
     key = hashlib.sha256(sources + " ".join((cc, *FLAGS, platform.machine())).encode()).hexdigest()
-    path = CACHE / f"gather-{key[:16]}.so"
+    path = CACHE / f"native-{key[:16]}.so"
     try:
         if not path.exists():
             CACHE.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=CACHE) as tmp:  # built aside, renamed: processes may race here
                 out = Path(tmp) / path.name
-                done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(out)], capture_output=True, text=True)
+                done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(out)], capture_output=True,
+                                      text=True)
                 if done.returncode != 0:
                     return None
                 os.replace(out, path)
-        return GatheredProducts(ctypes.CDLL(str(path)))
+        return ctypes.CDLL(str(path))
     except OSError:  # an unwritable cache or a library that will not load: numpy does the work
         return None
 

@@ -1,5 +1,6 @@
 """Reading neuron bundles from flash: direct I/O where the OS allows it, page-aligned buffers, a pool of
-threads each taking a batch of reads, and neighbouring bundles coalesced into one request."""
+threads taking reads in turn (in one C call each where lsparse/kernels/native.py can build it),
+and neighbouring bundles coalesced into one request."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+from lsparse.kernels.native import read_shared
 
 ALIGN = 4096
 F_NOCACHE = 48  # macOS fcntl: bypass the unified buffer cache
@@ -31,7 +34,7 @@ def coalesce(positions: np.ndarray, stride: int, base: int, gap_bytes: int) -> l
 
 
 class FlashReader:
-    def __init__(self, path, workers: int = 4, direct: bool = True):
+    def __init__(self, path, workers: int = 4, direct: bool = True, native: bool = True):
         self.direct = False
         if direct and hasattr(os, "O_DIRECT"):
             try:
@@ -50,19 +53,36 @@ class FlashReader:
         self.size = os.fstat(self.fd).st_size
         self.workers = workers
         self.pool = ThreadPoolExecutor(workers) if workers > 1 else None
-        self.buffers = [mmap.mmap(-1, 1 << 20) for _ in range(workers)]
+        self.buffer = mmap.mmap(-1, 1 << 20)  # one call's reads, each at its own place
+        self.native = read_shared() if native else None
 
     def close(self) -> None:
         if self.pool:
             self.pool.shutdown()
         os.close(self.fd)
 
-    def _read_batch(self, worker: int, work: list[tuple[int, int, int, int]]) -> None:
-        """Each (block start, block bytes, place in this worker's buffer, bytes that must arrive) in turn."""
-        view, fd, preadv = memoryview(self.buffers[worker]), self.fd, os.preadv
-        for start, size, at, needed in work:
+    def _read_share(self, work: np.ndarray) -> None:
+        """Each row of work, (block start, block bytes, place in the buffer, bytes that must arrive), in turn."""
+        view, fd, preadv = memoryview(self.buffer), self.fd, os.preadv
+        for start, size, at, needed in work.tolist():
             if preadv(fd, [view[at:at + size]], start) < needed:
                 raise OSError(f"short read at byte {start}: the neuron file is truncated")
+
+    def _read_native(self, work: np.ndarray, n_workers: int) -> None:
+        columns = np.ascontiguousarray(work)
+        buffer = np.frombuffer(self.buffer, dtype=np.uint8).ctypes.data
+        shared = np.array([0, -1], dtype=np.int64)  # the next read to take; the first failure
+        args = (self.fd, buffer, *(c.ctypes.data for c in columns), columns.shape[1], shared.ctypes.data,
+                shared[1:].ctypes.data)
+        if n_workers == 1:
+            self.native(*args)
+        else:
+            list(self.pool.map(lambda _: self.native(*args), range(n_workers)))
+        failed = int(shared[1])
+        if failed <= -2:
+            raise OSError(-2 - failed, os.strerror(-2 - failed))
+        if failed >= 0:
+            raise OSError(f"short read at byte {work[0, failed]}: the neuron file is truncated")
 
     def read(self, spans: list[tuple[int, int]]) -> tuple[list[np.ndarray], int, float]:
         """The bytes of each (offset, length) span, as views valid until the next call; also the bytes
@@ -73,22 +93,17 @@ class FlashReader:
         starts = offsets // ALIGN * ALIGN
         ends = np.minimum(-(-(offsets + lengths) // ALIGN) * ALIGN, -(-self.size // ALIGN) * ALIGN)
         sizes = ends - starts
+        at = np.cumsum(sizes) - sizes
+        if int(sizes.sum()) > len(self.buffer):
+            self.buffer = mmap.mmap(-1, -(-int(sizes.sum()) // ALIGN) * ALIGN)
+        work = np.stack([starts, sizes, at, offsets - starts + lengths])
         n_workers = max(1, min(self.workers, len(spans)))
-        worker = np.arange(len(spans)) % n_workers
-        at = np.zeros(len(spans), dtype=np.int64)
-        work = []
-        for w in range(n_workers):
-            mine = np.flatnonzero(worker == w)
-            at[mine] = np.concatenate([[0], np.cumsum(sizes[mine])[:-1]])
-            need = int(sizes[mine].sum())
-            if need > len(self.buffers[w]):
-                self.buffers[w] = mmap.mmap(-1, -(-need // ALIGN) * ALIGN)
-            work.append(list(zip(starts[mine].tolist(), sizes[mine].tolist(), at[mine].tolist(),
-                                 (offsets[mine] - starts[mine] + lengths[mine]).tolist(), strict=True)))
-        if n_workers == 1:
-            self._read_batch(0, work[0])
+        if self.native is not None:
+            self._read_native(work, n_workers)
+        elif n_workers == 1:
+            self._read_share(work.T)
         else:
-            list(self.pool.map(self._read_batch, range(n_workers), work))
-        views = [np.frombuffer(self.buffers[w], dtype=np.uint8, count=int(n), offset=int(a + o - s))
-                 for w, a, o, s, n in zip(worker, at, offsets, starts, lengths, strict=True)]
+            list(self.pool.map(self._read_share, [work.T[w::n_workers] for w in range(n_workers)]))
+        base = np.frombuffer(self.buffer, dtype=np.uint8)
+        views = [base[p:p + n] for p, n in zip((at + offsets - starts).tolist(), lengths.tolist(), strict=True)]
         return views, int(sizes.sum()), time.perf_counter() - start_time
