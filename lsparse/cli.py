@@ -10,6 +10,7 @@ import click
 import typer
 
 from lsparse.errors import LsparseError
+from lsparse.runtime.reader import DEFAULT_READERS
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Run language models larger than RAM by paging sparse FFN neurons from flash.")
@@ -62,6 +63,8 @@ def run(
                                                           "else cpu), cpu (C kernels on rows as stored), mlx "
                                                           "(MLX's quantized kernel), metal."),
     packed: bool = typer.Option(False, "--packed", help="Images: the same as --kernels mlx."),
+    readers: int = typer.Option(DEFAULT_READERS, "--readers", min=1,
+                                help="Images: reader threads, each with one read in flight."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ):
     """Generate text from a flash image (exact, predicted or dense) or, with --dense, from any checkpoint."""
@@ -77,7 +80,7 @@ def run(
     run_model(model, prompt, max_tokens, mode=mode, window=window, threshold_shift=threshold, temp=temp,
               top_p=top_p, seed=seed, chat=not ignore_chat_template, revision=revision, tokenizer=tokenizer,
               backend=backend, as_json=as_json, direct=not buffered, ram_budget=ram_budget,
-              lookahead=lookahead, kernels=_kernels(kernels, packed))
+              lookahead=lookahead, kernels=_kernels(kernels, packed), readers=readers)
 
 
 def _kernels(kernels: str, packed: bool) -> str:
@@ -249,6 +252,8 @@ def bench(
     budgets: str = typer.Option("0.25,0.5,0.75", "--budgets",
                                 help="Shares of the dense model's RAM for the full system's sweep ('' for none)."),
     variants: Optional[str] = typer.Option(None, "--variants", help="Where variant images go [IMAGE.variants]."),
+    readers: int = typer.Option(DEFAULT_READERS, "--readers", min=1,
+                                help="Reader threads, each with one read in flight."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
     csv: Optional[str] = typer.Option(None, "--csv", help="Also write the rows as CSV here."),
     plot: Optional[str] = typer.Option(None, "--plot", help="Also write a PNG of latency against RAM here."),
@@ -278,7 +283,7 @@ def bench(
     options = BenchOptions(texts=[Path(t) for t in text or []], prompts=prompts, prompt_tokens=prompt_tokens,
                            gen_tokens=gen_tokens, quality_tokens=quality_tokens, budgets=shares,
                            variants_dir=Path(variants) if variants else None,
-                           rungs=[r.strip() for r in rungs.split(",")] if rungs else None)
+                           rungs=[r.strip() for r in rungs.split(",")] if rungs else None, workers=readers)
     err = Console(stderr=True)
     with err.status("benchmarking") as status:
         result = run_ladder(image, options, progress=lambda m: status.update(m))

@@ -43,7 +43,8 @@ def test_exact_mode_equals_dense_from_the_same_image(relu_image):
 def test_exact_greedy_run_matches_dense(relu_image):
     exact = json.loads(lsparse("run", str(relu_image), "-m", "48", "--json").stdout)
     dense = json.loads(lsparse("run", str(relu_image), "--dense", "-m", "48", "--json").stdout)
-    assert exact["tokens"] == dense["tokens"] and len(exact["tokens"]) > 0
+    one_reader = json.loads(lsparse("run", str(relu_image), "-m", "48", "--readers", "1", "--json").stdout)
+    assert exact["tokens"] == dense["tokens"] == one_reader["tokens"] and len(exact["tokens"]) > 0
     f = exact["flash"]
     assert 0 < f["bytes_read_per_token"] <= f["dense_ffn_bytes"] and 0 <= f["cache_hit_rate"] <= 1
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from lsparse.bench.synthetic import TRACE, Trace, record_trace, write_synthetic
@@ -56,3 +57,24 @@ def test_synthetic_ladder_reads_less_at_each_rung(synthetic, tmp_path):
     assert rows["+bundles+layout"]["reads_per_token"] < rows["+window"]["reads_per_token"]
     assert rows["+4-bit"]["bytes_needed_per_token"] < rows["+hot"]["bytes_needed_per_token"]
     assert rows["+4-bit"]["bytes_per_token"] < rows["hybrid"]["bytes_per_token"]
+
+
+def test_the_budget_plans_each_layers_cache_as_its_store_keeps_rows(synthetic, monkeypatch):
+    """The CPU path keeps a large store's rows 4-bit and decodes a small one's to fp32, so layers of one image
+    differ; the plan must count each layer's cache as the runtime allocates it, at any budget it admits."""
+    from lsparse.kernels import backends
+    meta = json.loads((synthetic / "manifest.json").read_text())
+    model, _ = load_image(synthetic, "predicted", window=1)  # caches of a token's worth: sizes differ by layer
+    sizes = sorted(len(f.cache.neuron_of) for f in model.ffns)
+    if backends.load_native() is None or sizes[0] == sizes[-1]:
+        pytest.skip("needs the C kernels and layers of different cache sizes")
+    # between the smallest and the largest store: some layers keep rows as stored, some decode them
+    monkeypatch.setattr(backends, "STORED_MIN_WEIGHTS", sizes[-1] * meta["bundle"]["d_model"])
+    for budget in (None, "smallest"):
+        if budget == "smallest":
+            budget = model.memory_plan["smallest_budget"]
+        model, _ = load_image(synthetic, "predicted", window=1, ram_budget=budget)
+        stores = [store for f in model.ffns for store in f.cache.rows]
+        assert {s.dtype for s in stores} == {np.dtype(np.uint8), np.dtype(np.float32)}
+        assert sum(s.nbytes for s in stores) == model.memory_plan["neuron_cache"]
+        assert budget is None or model.memory_plan["total"] <= budget

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from lsparse.errors import LsparseError
+from lsparse.runtime.reader import DEFAULT_READERS
 
 # Image variants as changes to the compile options recorded in the image; None: the image itself.
 VARIANTS = {
@@ -73,7 +74,7 @@ class BenchOptions:
     variants_dir: Path | None = None
     rungs: list | None = None                    # names; None: all
     budgets: tuple = (0.25, 0.5, 0.75)           # shares of the dense model for the latency-memory sweep
-    workers: int = 4
+    workers: int = DEFAULT_READERS
     synthetic: bool = False                      # set by bench() for synthetic images
 
 

@@ -62,25 +62,30 @@ def plan(meta: dict, mode: str, tokens: int, budget: int | None, kernels=None, w
         minimum = np.minimum(cold, np.ceil(1.25 * active * d_ffs).astype(int))
         # a window's neurons at most; stores allocated whole (MLX's, on Metal) would otherwise hold every neuron
         capacity = cold.copy() if window is None else np.minimum(cold, window * minimum)
-    # a slot's bytes: the rows kept of a neuron, as a store the size of the smallest layer minimum keeps them
-    # (a larger store never keeps a row in more)
-    slot = rows * row_bytes(max(int(minimum.min()), 1), held=False)
+    # A slot's bytes: the rows kept of a neuron, as a store of that many slots keeps them. Stores differ by
+    # layer (the CPU path decodes small ones to fp32), and a larger store never keeps a row in more, so a
+    # layer's slot at its minimum bounds it at any capacity.
+    def slot_bytes(count: int) -> int:
+        return rows * row_bytes(max(int(count), 1), held=False)
+
+    slot = np.array([slot_bytes(n) for n in minimum])
     # While a layer runs: its missing bundles as read (reader buffers) and as rows, and the copies the
     # products gather; one layer at a time, so the largest counts.
-    working = int(minimum.max()) * 2 * (b["stride"] + slot) if mode in ("exact", "predicted") else 0
+    working = int((minimum * 2 * (b["stride"] + slot)).max()) if mode in ("exact", "predicted") else 0
     fixed += working
-    need = fixed + int(minimum.sum()) * slot
+    need = fixed + int((minimum * slot).sum())
     if budget is not None:
         if budget < need:
             raise LsparseError(f"a RAM budget of {budget / 2**20:.0f} MiB cannot hold this image in {mode} mode: "
                                f"the smallest that works is {-(-need // 2**20)} MiB")
-        spare = (budget - fixed) // slot
-        if mode not in ("dense", "hybrid") and spare < cold.sum():  # share the cache in proportion to what layers need
-            capacity = np.maximum(minimum, np.floor(spare * minimum / max(minimum.sum(), 1)).astype(int))
+        if mode not in ("dense", "hybrid") and fixed + int((capacity * slot).sum()) > budget:
+            # share the cache in proportion to what layers need
+            scale = (budget - fixed) / max(int((minimum * slot).sum()), 1)
+            capacity = np.minimum(capacity, np.maximum(minimum, np.floor(scale * minimum).astype(int)))
+    cache = sum(int(c) * slot_bytes(c) for c in capacity)
     return {"process": PROCESS_BYTES, "attention": attention, "embedding_head": globals_, "kv_cache": kv,
             "hot_neurons": hot, "exact_gate": exact, "predictors": predictors, "working_set": working,
-            "neuron_cache": int(capacity.sum()) * slot,
-            "total": fixed + int(capacity.sum()) * slot, "smallest_budget": need,
+            "neuron_cache": cache, "total": fixed + cache, "smallest_budget": need,
             "cache_slots": capacity.tolist()}
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lsparse.runtime.reader import ALIGN, DEFAULT_GAP_BYTES, FlashReader
+from lsparse.runtime.reader import ALIGN, DEFAULT_GAP_BYTES, DEFAULT_READERS, FlashReader
 
 MIN_FILE_BYTES = 64 << 20  # smaller files sit in the device's own cache and would flatter it
 SMALL, LARGE = 4096, 1 << 20
@@ -27,7 +27,7 @@ def cache_path() -> Path:
     return Path(base) / "lsparse" / "devices.json"
 
 
-def measure(path, workers: int = 4, seconds: float = 0.5) -> dict:
+def measure(path, workers: int = DEFAULT_READERS, seconds: float = 0.5) -> dict:
     """Requests per second of 4 KiB direct reads and bandwidth of 1 MiB ones at `workers` in flight, on
     random offsets of `path`, and the gap rule they give."""
     reader = FlashReader(path, workers=workers, direct=True)
@@ -54,7 +54,7 @@ def measure(path, workers: int = 4, seconds: float = 0.5) -> dict:
             "date": time.strftime("%Y-%m-%d")}
 
 
-def gap_for(path, workers: int = 4) -> tuple[int, str]:
+def gap_for(path, workers: int = DEFAULT_READERS) -> tuple[int, str]:
     """(gap bytes, how it was found) for reads of `path`: this device's cached measurement, a new one when
     the file is large enough to measure on, else the default."""
     device = f"{os.stat(path).st_dev}:{workers}"  # the request rate depends on how many are in flight

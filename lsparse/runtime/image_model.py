@@ -18,7 +18,7 @@ from lsparse.kernels.cpu import gate_passes
 from lsparse.model import Model, architecture
 from lsparse.model.layers import relu
 from lsparse.model.llama import gate_activation
-from lsparse.runtime.reader import DEFAULT_GAP_BYTES, FlashReader, coalesce
+from lsparse.runtime.reader import DEFAULT_GAP_BYTES, DEFAULT_READERS, FlashReader, coalesce
 from lsparse.source.safetensors_store import SafetensorsFile
 from lsparse.source.tokenizer import from_folder
 
@@ -394,7 +394,7 @@ def _resident(path: Path) -> dict:
 
 
 def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: float = 0.0,
-               gap_bytes: int | None = None, direct: bool = True, workers: int = 4,
+               gap_bytes: int | None = None, direct: bool = True, workers: int = DEFAULT_READERS,
                ram_budget: int | None = None, tokens: int = 2048, bundled: bool = True, lookahead: bool = False,
                kernels: str = "auto"):
     """(ImageModel, tokenizer) for an image, in one of MODES; with `ram_budget`, the neuron caches are sized to

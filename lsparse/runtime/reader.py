@@ -16,6 +16,9 @@ from lsparse.kernels.native import read_shared
 
 ALIGN = 4096
 F_NOCACHE = 48  # macOS fcntl: bypass the unified buffer cache
+# 16 in flight: at 7B geometry (reads of 20-40 KB) 2.5 tok/s against 2.1 with 4 (docs/BENCHMARKS.md); a call
+# never starts more threads than it has reads
+DEFAULT_READERS = 16
 DEFAULT_GAP_BYTES = 16384  # ~12 us per request at 16 in flight x ~1.3 GB/s, this machine's measured SSD
 
 
@@ -34,7 +37,7 @@ def coalesce(positions: np.ndarray, stride: int, base: int, gap_bytes: int) -> l
 
 
 class FlashReader:
-    def __init__(self, path, workers: int = 4, direct: bool = True, native: bool = True):
+    def __init__(self, path, workers: int = DEFAULT_READERS, direct: bool = True, native: bool = True):
         self.direct = False
         if direct and hasattr(os, "O_DIRECT"):
             try:

@@ -12,6 +12,7 @@ from lsparse.errors import LsparseError
 from lsparse.model import load_model
 from lsparse.model.backend import default_backend
 from lsparse.runtime.generate import GenerationStats, StreamingDetokenizer, generate
+from lsparse.runtime.reader import DEFAULT_READERS
 from lsparse.runtime.sampling import make_sampler
 from lsparse.source import resolve
 
@@ -55,7 +56,7 @@ def run(spec: str, prompt: str, max_tokens: int, *, mode: str | None = None, win
         threshold_shift: float = 0.0, temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
         chat: bool = True, revision: str | None = None, tokenizer: str | None = None, backend: str | None = None,
         as_json: bool = False, direct: bool = True, ram_budget: str | None = None, lookahead: bool = False,
-        kernels: str = "auto", out=sys.stdout) -> dict:
+        kernels: str = "auto", readers: int = DEFAULT_READERS, out=sys.stdout) -> dict:
     """`mode` None: dense decoding of a checkpoint; exact, predicted, dense or hybrid: decoding from an image."""
     sample = make_sampler(temp, top_p, seed)
     if mode is None:
@@ -74,7 +75,8 @@ def run(spec: str, prompt: str, max_tokens: int, *, mode: str | None = None, win
         ids = encode_prompt(tok, prompt, chat)
         model, _ = load_image(spec, mode, window, threshold_shift, direct=direct,
                               ram_budget=parse_bytes(ram_budget) if ram_budget else None,
-                              tokens=len(ids) + max_tokens, lookahead=lookahead, kernels=kernels)
+                              tokens=len(ids) + max_tokens, lookahead=lookahead, kernels=kernels,
+                              workers=readers)
         backend, where = model.kernels.name, spec
     stats = GenerationStats()
     detok = StreamingDetokenizer(tok)
