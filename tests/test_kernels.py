@@ -4,6 +4,8 @@ a negative case, and the numerics on a Mac (skipped elsewhere)."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -115,6 +117,34 @@ def test_backends_multiply_over_slot_lists_as_the_reference_does(kernels, cache_
         coefficients = np.random.default_rng(4).standard_normal((1, len(many))).astype(np.float32)
         np.testing.assert_allclose(b.vm(held, None, coefficients), coefficients @ np.repeat(decoded, 7, axis=0),
                                    rtol=1e-4, atol=1e-3)
+
+
+def test_c_products_split_over_threads_add_up_to_one_call(monkeypatch):
+    """Large products run in parts on several threads (lsparse/kernels/native.py): each part's rows land in
+    their place and the down product's partial sums all count."""
+    from lsparse.kernels import native
+    products = native.load()
+    if products is None:
+        pytest.skip("no C compiler here: the C kernels cannot be built")
+    d, n, bits = 256, 101, 4
+    rng = np.random.default_rng(5)
+    weights = rng.standard_normal((n, d)).astype(np.float32)
+    codes = quantize_rows(weights, bits, GROUP)
+    slots = rng.permutation(n)[:97]
+    x, a = rng.standard_normal(d).astype(np.float32), rng.standard_normal(97).astype(np.float32)
+
+    def all_four():
+        return [products.mv(weights, slots, x), products.vm(weights, slots, a),
+                products.mv_q(codes, slots, x, bits, GROUP), products.vm_q(codes, slots, a, d, bits, GROUP)]
+
+    monkeypatch.setattr(native, "THREADS", 1)
+    whole = all_four()
+    monkeypatch.setattr(native, "THREADS", 3)
+    monkeypatch.setattr(native, "SPLIT_MIN_WEIGHTS", d)  # every product is split three ways, unevenly
+    monkeypatch.setitem(native._pool, "pool", ThreadPoolExecutor(3))
+    for one, parts in zip(whole, all_four(), strict=True):
+        np.testing.assert_allclose(parts, one, rtol=1e-5, atol=1e-4)
+    np.testing.assert_allclose(whole[0], weights[slots] @ x, rtol=1e-4, atol=1e-4)
 
 
 def metal_available():

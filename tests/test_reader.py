@@ -57,9 +57,10 @@ def test_a_span_past_the_end_is_a_short_read(data_file, native, direct):
 
 
 def test_coalesce_reads_through_small_gaps_only():
-    runs = coalesce(np.array([9, 0, 1, 3, 40]), stride=1000, base=64, gap_bytes=2000)
-    assert [(o, n, r.tolist()) for o, n, r in runs] == [(64, 4000, [0, 1, 3]), (9064, 1000, [9]),
-                                                         (40064, 1000, [40])]
+    offsets, lengths, run = coalesce(np.array([0, 1, 3, 9, 40]), stride=1000, base=64, gap_bytes=2000)
+    assert offsets.tolist() == [64, 9064, 40064] and lengths.tolist() == [4000, 1000, 1000]
+    assert run.tolist() == [0, 0, 0, 1, 2]
+    assert [len(a) for a in coalesce(np.array([], dtype=np.int64), 1000, 64, 2000)] == [0, 0, 0]
 
 
 @pytest.mark.parametrize("native,direct", WAYS[::3])

@@ -59,6 +59,15 @@ def test_a_larger_window_never_reads_more(relu_image):
     assert all(a >= b for a, b in zip(read, read[1:], strict=False)) and read[0] > read[-1]
 
 
+def test_rows_read_apart_change_requests_not_results(relu_image):
+    """The unbundled ablation reads each row of each neuron on its own: the same rows must arrive."""
+    tokens = list(np.random.default_rng(7).integers(3, 512, 30))
+    bundled, _ = load_image(relu_image, "exact", window=2)
+    apart, _ = load_image(relu_image, "exact", window=2, bundled=False)
+    np.testing.assert_array_equal(logits(bundled, tokens), logits(apart, tokens))
+    assert sum(s.requests for s in apart.costs.steps) > sum(s.requests for s in bundled.costs.steps)
+
+
 def test_lookahead_changes_reads_not_results(relu_image):
     tokens = list(np.random.default_rng(6).integers(3, 512, 40))
     plain, _ = load_image(relu_image, "exact", window=2)

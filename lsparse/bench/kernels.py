@@ -23,6 +23,8 @@ import time
 
 import numpy as np
 
+from lsparse.kernels import native
+
 GEOMETRIES = {"builtin": (64, 256), "7b": (4096, 11008)}
 FRACTIONS = (0.05, 0.10, 0.20, 0.40, 0.60, 1.00)
 IMPLEMENTATIONS = {"cpu": ("cpu", 4), "cpu-fp16": ("cpu", 16), "cpu-numpy-gather": ("cpu", 4),
@@ -98,7 +100,7 @@ def bench_kernels(geometries=tuple(GEOMETRIES), fractions=FRACTIONS, implementat
         r["vs_best_dense"] = best / r["sparse_ms"]
     import os
     return {"rows": rows, "break_even": break_even(rows), "date": time.strftime("%Y-%m-%d"),
-            "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default")}
+            "openblas_threads": os.environ.get("OPENBLAS_NUM_THREADS", "default"), "c_threads": native.THREADS}
 
 
 def break_even(rows: list[dict]) -> dict:
@@ -118,7 +120,7 @@ def print_kernels(result: dict, console=None) -> None:
     from rich.table import Table
     console = console or Console(width=None if sys.stdout.isatty() else 120)
     table = Table(title=f"sparse FFN step against dense, per layer and token (OPENBLAS_NUM_THREADS="
-                        f"{result['openblas_threads']})")
+                        f"{result['openblas_threads']}, C kernels on {result.get('c_threads', 1)} threads)")
     for col in ("geometry", "implementation", "active", "sparse ms", "dense ms", "speed-up", "ideal", "of ideal",
                 "vs best dense"):
         table.add_column(col, justify="left" if col in ("geometry", "implementation") else "right")

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from lsparse.runtime.reader import coalesce
+
 
 def coactivation_order(active: np.ndarray) -> np.ndarray:
     """A greedy chain through the co-activation graph of the given (tokens, n) masks: start at the most
@@ -27,18 +29,6 @@ def coactivation_order(active: np.ndarray) -> np.ndarray:
     return order
 
 
-def coalesced_reads(positions: np.ndarray, max_gap: int) -> tuple[int, int]:
-    """Reads needed for bundles at the given file positions when a gap of at most `max_gap` bundles is read
-    through rather than starting a new request. Returns (reads, bundles read)."""
-    if len(positions) == 0:
-        return 0, 0
-    p = np.sort(positions)
-    breaks = np.flatnonzero(np.diff(p) > max_gap + 1)
-    starts = np.concatenate([[p[0]], p[breaks + 1]])
-    ends = np.concatenate([p[breaks], [p[-1]]])
-    return len(starts), int((ends - starts + 1).sum())
-
-
 def read_stats(active: np.ndarray, position: np.ndarray, bundle_bytes: int, max_gap: int) -> dict:
     """Mean reads per token and mean read size, for masks (tokens, n) and each neuron's file position
     (-1: not on flash)."""
@@ -46,9 +36,9 @@ def read_stats(active: np.ndarray, position: np.ndarray, bundle_bytes: int, max_
     for row in active:
         pos = position[row]
         pos = pos[pos >= 0]
-        r, b = coalesced_reads(pos, max_gap)
-        reads.append(r)
-        read_bundles.append(b)
+        _, lengths, _ = coalesce(np.sort(pos), 1, 0, max_gap)  # in bundles
+        reads.append(len(lengths))
+        read_bundles.append(int(lengths.sum()))
         needed.append(len(pos))
     total_reads = max(sum(reads), 1)
     return {"reads_per_token": float(np.mean(reads)),

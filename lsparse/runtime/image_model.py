@@ -54,10 +54,10 @@ def _float(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.float32)
 
 
-def _read(reader: FlashReader, spans: list) -> tuple[list, int, float]:
-    """reader.read, with a failed read (a truncated or vanished image) as one line for the user."""
+def _read(reader: FlashReader, offsets, lengths) -> tuple[np.ndarray, np.ndarray, int, float]:
+    """reader.read_into, with a failed read (a truncated or vanished image) as one line for the user."""
     try:
-        return reader.read(spans)
+        return reader.read_into(offsets, lengths)
     except OSError as e:
         raise LsparseError(f"reading neuron bundles failed ({e}); run lsparse verify on the image") from None
 
@@ -295,31 +295,34 @@ class SparseFFN:
     def _read_spans(self, positions: np.ndarray, prefix: int, reader) -> tuple[np.ndarray, int, int, float]:
         """(rows of bytes, requests, bytes transferred, seconds) for the bundles at these file positions."""
         if self.bundled:
-            runs = coalesce(positions, self.stride, self.region, self.gap_bytes)
-            spans = [(off, length) for off, length, _ in runs]
+            offsets, lengths, run = coalesce(positions, self.stride, self.region, self.gap_bytes)
         else:
-            rows = np.arange(prefix // self.row_bytes) * self.row_bytes
-            starts = self.region + positions[:, None] * self.stride + rows
-            spans = [(off, self.row_bytes) for off in starts.ravel().tolist()]
-        data, transferred, io = _read(reader, spans)
-        if self.bundled:
-            rows = np.concatenate([chunk.reshape(-1, self.stride)[run - run[0], :prefix]
-                                   for (_, _, run), chunk in zip(runs, data, strict=True)])
+            offsets = (self.region + positions[:, None] * self.stride
+                       + np.arange(prefix // self.row_bytes) * self.row_bytes).ravel()
+            lengths, run = np.full(len(offsets), self.row_bytes), None
+        buffer, at, transferred, io = _read(reader, offsets, lengths)
+        if not len(positions):
+            return np.zeros((0, prefix), dtype=np.uint8), 0, transferred, io
+        if self.bundled:  # each bundle's place in the buffer: its run's, and its own within the run
+            where = at[run] + self.region + positions * self.stride - offsets[run]
+            rows = np.lib.stride_tricks.sliding_window_view(buffer, prefix)[where]
         else:
-            rows = np.concatenate(data).reshape(len(positions), prefix)
-        return rows, len(spans), transferred, io
+            rows = np.lib.stride_tricks.sliding_window_view(buffer, self.row_bytes)[at].reshape(len(positions), prefix)
+        return rows, len(offsets), transferred, io
 
     def _stream_all(self, x):
         """The hybrid baseline: every cold bundle of the layer read and decoded, used once, then dropped."""
         cost = self.costs.steps[-1]
         start = time.perf_counter()
         size = self.region_size
-        spans = [(self.region + at, min(HYBRID_READ_BYTES, size - at)) for at in range(0, size, HYBRID_READ_BYTES)]
-        data, transferred, io = _read(self.reader, spans)
-        rows = self._hold(np.concatenate(data).reshape(-1, self.stride), self.components)
+        starts = np.arange(0, size, HYBRID_READ_BYTES)
+        lengths = np.minimum(HYBRID_READ_BYTES, size - starts)
+        buffer, at, transferred, io = _read(self.reader, self.region + starts, lengths)
+        data = np.concatenate([buffer[a:a + n] for a, n in zip(at.tolist(), lengths.tolist(), strict=True)])
+        rows = self._hold(data.reshape(-1, self.stride), self.components)
         cost.bytes_needed += size
         cost.bytes_read += transferred
-        cost.requests += len(spans)
+        cost.requests += len(starts)
         cost.io_s += io
         cost.mem_s += time.perf_counter() - start - io
         start = time.perf_counter()
