@@ -68,6 +68,23 @@ def test_rows_read_apart_change_requests_not_results(relu_image):
     assert sum(s.requests for s in apart.costs.steps) > sum(s.requests for s in bundled.costs.steps)
 
 
+def test_hot_neurons_computed_while_reading_change_nothing_computed(relu_image, monkeypatch):
+    """With a large hot set, a layer computes its hot neurons while its cold reads are in flight: the same
+    logits and bytes, the reads' time kept apart from the time waited for them."""
+    from lsparse.runtime import image_model
+    tokens = list(np.random.default_rng(8).integers(3, 512, 30))
+    plain, _ = load_image(relu_image, "exact", window=2)
+    assert all(f.background is None for f in plain.ffns)  # this model's hot sets are small
+    monkeypatch.setattr(image_model, "OVERLAP_MIN_WEIGHTS", 0)
+    overlapped, _ = load_image(relu_image, "exact", window=2)
+    assert all(f.background is not None for f in overlapped.ffns)
+    np.testing.assert_array_equal(logits(plain, tokens), logits(overlapped, tokens))
+    for key in ("bytes_read", "requests", "hits"):
+        assert [getattr(s, key) for s in plain.costs.steps] == [getattr(s, key) for s in overlapped.costs.steps]
+    assert sum(s.read_s for s in overlapped.costs.steps) > 0
+    overlapped.close()
+
+
 def test_lookahead_changes_reads_not_results(relu_image):
     tokens = list(np.random.default_rng(6).integers(3, 512, 40))
     plain, _ = load_image(relu_image, "exact", window=2)

@@ -195,6 +195,7 @@ class NaiveModel:
                 cost.bytes_needed += sum(n for _, n in spans)
                 cost.requests += len(spans)
                 cost.io_s += io
+                cost.read_s += io
             out.append(self.dense.model([t], cache, self.dense.ffns))
         return np.concatenate(out)
 
@@ -219,15 +220,15 @@ def _summary(rung: Rung, result: dict, reference: dict | None) -> dict:
              if k not in ("direct_io", "gap_rule")}
         row.update({"bytes_per_token": f["bytes_read_per_token"], "bytes_needed_per_token": f["bytes_needed_per_token"],
                     "reads_per_token": f["reads_per_token"], "mean_read_bytes": f["mean_read_bytes"],
-                    "effective_gbps": f["bytes_read_per_token"] / (f["io_ms_per_token"] * 1e6)
-                    if f["io_ms_per_token"] else None,
-                    "io_ms": f["io_ms_per_token"], "mem_ms": f["mem_ms_per_token"],
+                    "effective_gbps": f["bytes_read_per_token"] / (f["read_ms_per_token"] * 1e6)
+                    if f["read_ms_per_token"] else None,
+                    "io_ms": f["io_ms_per_token"], "read_ms": f["read_ms_per_token"], "mem_ms": f["mem_ms_per_token"],
                     "compute_ms": f["compute_ms_per_token"], "cache_hit_rate": f["cache_hit_rate"],
                     "direct_io": all(r["direct_io"] for r in result["flash"]),
                     "gap_bytes": f["gap_bytes"], "gap_rule": result["flash"][0]["gap_rule"]})
     else:
         row.update({k: None for k in ("bytes_per_token", "bytes_needed_per_token", "reads_per_token",
-                                      "mean_read_bytes", "effective_gbps", "io_ms", "mem_ms", "compute_ms",
+                                      "mean_read_bytes", "effective_gbps", "io_ms", "read_ms", "mem_ms", "compute_ms",
                                       "cache_hit_rate", "direct_io", "gap_bytes", "gap_rule")})
         row["bytes_per_token"] = 0.0
     if reference is not None:
@@ -404,7 +405,7 @@ def print_ladder(result: dict, console=None) -> None:
 
 
 CSV_COLUMNS = ("rung", "mode", "window", "bundled", "budget_bytes", "bytes_per_token", "bytes_needed_per_token",
-               "reads_per_token", "mean_read_bytes", "effective_gbps", "io_ms", "mem_ms", "compute_ms",
+               "reads_per_token", "mean_read_bytes", "effective_gbps", "io_ms", "read_ms", "mem_ms", "compute_ms",
                "tokens_per_second", "peak_memory_bytes", "planned_ram_bytes", "model_ram_bytes", "cache_hit_rate",
                "gap_bytes",
                "greedy_agreement", "identical_prefix_tokens")

@@ -23,6 +23,9 @@ from lsparse.source.safetensors_store import SafetensorsFile
 from lsparse.source.tokenizer import from_folder
 
 MODES = ("exact", "predicted", "dense", "hybrid")
+# A layer whose hot neurons hold this many weights or more computes them while its cold reads are in flight;
+# below it handing the reads to a thread costs more than the overlap saves.
+OVERLAP_MIN_WEIGHTS = 1 << 20
 HYBRID_READ_BYTES = 1 << 20  # hybrid streams each region in requests of this size, spread over the workers
 
 
@@ -34,7 +37,8 @@ class TokenCost:
     requests: int = 0
     lookups: int = 0
     hits: int = 0
-    io_s: float = 0.0
+    io_s: float = 0.0          # waiting for reads
+    read_s: float = 0.0        # the reads themselves, some of it while the hot neurons were computed
     mem_s: float = 0.0
     compute_s: float = 0.0
     lookahead_used: int = 0    # needed neurons that a lookahead read had already brought
@@ -160,6 +164,7 @@ class SparseFFN:
         self.next = None       # the next layer's SparseFFN, to read ahead for
         self.lookahead = None  # a Lookahead when this layer's neurons may be read ahead
         self.pending = None    # the read ahead in flight for this layer
+        self.background = None  # a thread that drives this layer's reads while it computes the hot neurons
 
     def _activation(self, pre, up):
         """Coefficient on the down column from the gate (or fc1) pre-activation and the up values; dense mode
@@ -195,7 +200,7 @@ class SparseFFN:
         missing = needed[hit_slots < 0]
         cost.lookups += len(needed)
         cost.hits += len(needed) - len(missing)
-        io = 0.0
+        io, hot_s, hot_out = 0.0, 0.0, None
         overflow, overflow_rows = missing[:0], None
         if ahead is not None:  # the rows a lookahead brought stand in for reads
             neurons, block, wait = ahead
@@ -209,8 +214,18 @@ class SparseFFN:
             missing = missing[~np.isin(missing, neurons)]
         if len(missing):
             order = np.argsort(self.position[missing])
-            rows, read_s = self._read(self.position[missing[order]], len(self.read_rows) * self.row_bytes)
-            io += read_s
+            positions, prefix = self.position[missing[order]], len(self.read_rows) * self.row_bytes
+            if self.background is not None:  # the hot neurons' sum while the reads are in flight
+                started = time.perf_counter()
+                pending = self.background.submit(self._read, positions, prefix)
+                hot_out = self._partial(x, self.hot, self.hot_rows, None, pre_all)
+                hot_s = time.perf_counter() - started
+                rows, read_s = pending.result()
+                io += time.perf_counter() - started - hot_s
+            else:
+                rows, read_s = self._read(positions, prefix)
+                io += read_s
+            cost.read_s += read_s
             block = self._rows_block(rows)
             placed = cache.insert(missing[order], block)
             overflow = np.concatenate([overflow, missing[order][~placed]])
@@ -220,18 +235,19 @@ class SparseFFN:
         slots = cache.slot_of[cached]
         cache.last_used[slots] = cache.clock
         cost.io_s += io
-        cost.mem_s += time.perf_counter() - start - io
+        cost.mem_s += time.perf_counter() - start - io - hot_s
 
         start = time.perf_counter()
         stores = dict(zip(self.read_rows, cache.rows, strict=True))
-        out = (self._partial(x, self.hot, self.hot_rows, None, pre_all)
-               + self._partial(x, cached, stores, slots, pre_all))
+        if hot_out is None:
+            hot_out = self._partial(x, self.hot, self.hot_rows, None, pre_all)
+        out = hot_out + self._partial(x, cached, stores, slots, pre_all)
         if len(overflow):
             extra = {c: self.kernels.hold(overflow_rows[:, k]) for k, c in enumerate(self.read_rows)}
             out = out + self._partial(x, overflow, extra, None, pre_all)
         if "down_bias" in self.bias:
             out = out + self.bias["down_bias"]
-        cost.compute_s += time.perf_counter() - start + compute
+        cost.compute_s += time.perf_counter() - start + compute + hot_s
         return out
 
     def _predict(self, x):
@@ -265,8 +281,8 @@ class SparseFFN:
 
     def _fetch_ahead(self, neurons: np.ndarray):
         prefix = len(self.read_rows) * self.row_bytes
-        rows, spans, transferred, _ = self._read_spans(self.position[neurons], prefix, self.lookahead.reader)
-        return neurons, self._rows_block(rows), transferred, spans
+        rows, spans, transferred, read_s = self._read_spans(self.position[neurons], prefix, self.lookahead.reader)
+        return neurons, self._rows_block(rows), transferred, spans, read_s
 
     def _collect_read_ahead(self, cost):
         """The lookahead read started for this layer, once it has arrived: (neurons, rows, seconds waited)."""
@@ -274,11 +290,12 @@ class SparseFFN:
             return None
         start = time.perf_counter()
         try:
-            neurons, block, transferred, spans = self.pending.result()
+            neurons, block, transferred, spans, read_s = self.pending.result()
         finally:
             self.pending = None
         cost.bytes_read += transferred
         cost.requests += spans
+        cost.read_s += read_s
         return neurons, block, time.perf_counter() - start
 
     def _read(self, positions: np.ndarray, prefix: int) -> tuple[np.ndarray, float]:
@@ -324,6 +341,7 @@ class SparseFFN:
         cost.bytes_read += transferred
         cost.requests += len(starts)
         cost.io_s += io
+        cost.read_s += io
         cost.mem_s += time.perf_counter() - start - io
         start = time.perf_counter()
         out = (self._partial(x, self.hot, self.hot_rows, None, None)
@@ -384,6 +402,8 @@ class ImageModel:
     def close(self) -> None:
         for reader in {id(r): r for r in [self.reader] + [f.lookahead for f in self.ffns] if r}.values():
             reader.close()
+        for pool in {id(f.background): f.background for f in self.ffns if f.background}.values():
+            pool.shutdown()
 
     def dense_ffn_bytes(self) -> int:
         """What a dense step reads of the FFN at the image's precision: every bundle of every layer."""
@@ -441,6 +461,11 @@ def load_image(image, mode: str = "exact", window: int = 5, threshold_shift: flo
         ffns.append(SparseFFN(arch, args, meta, layer, resident, reader, mode, window, threshold_shift, costs,
                               gap_bytes, memory["cache_slots"][layer["index"]], bundled, trace, backend))
         layers.append(weights)
+    if mode in ("exact", "predicted"):
+        background = ThreadPoolExecutor(1)
+        for ffn in ffns:
+            if len(ffn.hot) * meta["bundle"]["d_model"] >= OVERLAP_MIN_WEIGHTS:
+                ffn.background = background
     if lookahead and ffns and mode in ("exact", "predicted"):
         ahead = Lookahead(FlashReader(image / NEURONS, workers=workers, direct=direct), ThreadPoolExecutor(1))
         for this, nxt in zip(ffns, ffns[1:], strict=False):

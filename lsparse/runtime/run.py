@@ -46,7 +46,8 @@ def flash_report(model) -> dict:
             "reads_per_token": mean("requests"),
             "mean_read_bytes": sum(s.bytes_read for s in steps) / reads if reads else 0.0,
             "cache_hit_rate": sum(s.hits for s in steps) / lookups if lookups else 1.0,
-            "io_ms_per_token": 1e3 * mean("io_s"), "mem_ms_per_token": 1e3 * mean("mem_s"),
+            "io_ms_per_token": 1e3 * mean("io_s"), "read_ms_per_token": 1e3 * mean("read_s"),
+            "mem_ms_per_token": 1e3 * mean("mem_s"),
             "compute_ms_per_token": 1e3 * mean("compute_s"), "direct_io": model.reader.direct,
             "gap_bytes": model.gap["bytes"], "gap_rule": model.gap["rule"],
             "lookahead_used_per_token": mean("lookahead_used"), "lookahead_wasted_per_token": mean("lookahead_wasted")}
