@@ -69,11 +69,9 @@ class FlashReader:
             if preadv(fd, [view[at:at + size]], start) < needed:
                 raise OSError(f"short read at byte {start}: the neuron file is truncated")
 
-    def _read_native(self, work: np.ndarray, n_workers: int) -> None:
-        columns = np.ascontiguousarray(work)
-        buffer = np.frombuffer(self.buffer, dtype=np.uint8).ctypes.data
+    def _read_native(self, buffer: np.ndarray, work: np.ndarray, n_workers: int) -> None:
         shared = np.array([0, -1], dtype=np.int64)  # the next read to take; the first failure
-        args = (self.fd, buffer, *(c.ctypes.data for c in columns), columns.shape[1], shared.ctypes.data,
+        args = (self.fd, buffer.ctypes.data, *(c.ctypes.data for c in work), work.shape[1], shared.ctypes.data,
                 shared[1:].ctypes.data)
         if n_workers == 1:
             self.native(*args)
@@ -105,13 +103,13 @@ class FlashReader:
         at = np.cumsum(sizes) - sizes
         if int(sizes.sum()) > len(self.buffer):
             self.buffer = mmap.mmap(-1, -(-int(sizes.sum()) // ALIGN) * ALIGN)
-        work = np.stack([starts, sizes, at, offsets - starts + lengths])
+        buffer = np.frombuffer(self.buffer, dtype=np.uint8)
+        work = np.stack([starts, sizes, at, offsets - starts + lengths])  # C-contiguous rows, one per field
         n_workers = max(1, min(self.workers, len(offsets)))
         if self.native is not None:
-            self._read_native(work, n_workers)
+            self._read_native(buffer, work, n_workers)
         elif n_workers == 1:
             self._read_share(work.T)
         else:
             list(self.pool.map(self._read_share, [work.T[w::n_workers] for w in range(n_workers)]))
-        buffer = np.frombuffer(self.buffer, dtype=np.uint8)
         return buffer, at + offsets - starts, int(sizes.sum()), time.perf_counter() - start_time
