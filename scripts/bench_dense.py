@@ -26,12 +26,11 @@ PROMPT = list(range(100, 132))  # 32 prompt tokens
 
 
 def write_checkpoint(folder: Path) -> None:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from safetensors.numpy import save_file
 
-    from tests.models import tiny_llama_tensors
+    from lsparse.bench.random_weights import llama_tensors
     (folder / "config.json").write_text(json.dumps(SMOLLM2_135M))
-    save_file(tiny_llama_tensors(SMOLLM2_135M), str(folder / "model.safetensors"))
+    save_file(llama_tensors(SMOLLM2_135M), str(folder / "model.safetensors"))
 
 
 def time_lsparse(folder: str, backend: str, tokens: int, repeats: int) -> dict:

@@ -5,7 +5,7 @@ attention head; the built-in model's 512-piece SentencePiece vocabulary). lspars
 image (masks replayed from the built-in model; only the predicted neurons are read); llama.cpp runs a Q4_0
 GGUF of the same geometry, written here with the `gguf` package, whose weights it maps and must page in
 whole each token once the cap is below the file's size. Both decode the same number of tokens; each run is a
-child under scripts/memcap.py, and its tokens per second and cgroup peak are reported.
+child under lsparse.bench.memcap, and its tokens per second and cgroup peak are reported.
 
 llama.cpp computes a dense SiLU FFN: arithmetic differs, bytes do not, and the bytes are what a cap tests.
 
@@ -25,7 +25,6 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-MEMCAP = REPO / "scripts" / "memcap.py"
 TOKENIZER = REPO.parent / "shared" / "data" / "stories260K" / "tok512.model"
 
 
@@ -35,8 +34,9 @@ def write_gguf(path: Path, image: Path) -> None:
     import gguf
     import sentencepiece as spm
     from gguf.quants import quantize
-    meta = json.loads((image / "manifest.json").read_text())
-    c = meta["config"]
+
+    from lsparse.image.image import Image
+    c = Image.open(image).manifest.config
     d, f, n, hd = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["head_dim"]
     rng = np.random.default_rng(0)
     q4 = gguf.GGMLQuantizationType.Q4_0
@@ -98,7 +98,7 @@ print(json.dumps({"tokens": out["usage"]["completion_tokens"], "seconds": elapse
 
 def capped(cap: int | None, command: list[str]) -> tuple[dict | None, dict | None]:
     """(the command's JSON output or None, the cgroup report or None)."""
-    full = [sys.executable, str(MEMCAP), str(cap), "--", *command] if cap else command
+    full = [sys.executable, "-m", "lsparse.bench.memcap", str(cap), "--", *command] if cap else command
     done = subprocess.run(full, capture_output=True, text=True, timeout=3600)
     lines = done.stderr.strip().splitlines()
     report = json.loads(lines[-1]) if cap and lines and lines[-1].startswith("{") else None
@@ -130,8 +130,8 @@ def main() -> None:
         rows.append({"engine": "llama.cpp (mmap)", "cap_share": share, "cap_bytes": cap,
                      "tokens_per_second": out["tokens"] / out["seconds"] if out else None, "cgroup": report})
         print(json.dumps(rows[-1]), flush=True)
-        lsparse = [sys.executable, "-m", "lsparse.cli", "run", str(args.image), "--mode", "predicted", "--kernels",
-                   args.kernels, "-m", str(args.tokens), "--json"]
+        lsparse = [str(Path(sys.executable).with_name("lsparse")), "run", str(args.image), "--mode", "predicted",
+                   "--kernels", args.kernels, "-m", str(args.tokens), "--json"]
         if cap:
             lsparse += ["--ram-budget", str(cap)]
         out, report = capped(cap, lsparse)

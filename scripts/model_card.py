@@ -18,11 +18,12 @@ SHARED = REPO.parent / "shared" / "data"
 
 
 def measure(folder: Path, teacher: Path, text: Path) -> dict:
-    from lsparse.bench.quality import perplexity, read_documents, token_windows
     from lsparse.calibrate.stats import compute_stats
     from lsparse.model import load_model
+    from lsparse.model.perplexity import perplexity
     from lsparse.model.summary import describe
     from lsparse.source import resolve
+    from lsparse.text import read_documents, token_windows
 
     student_ck, teacher_ck = resolve(str(folder)), resolve(str(teacher))
     docs = read_documents(text)

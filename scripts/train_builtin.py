@@ -294,8 +294,8 @@ def main() -> None:
         init_from_teacher(student, teacher)
     opt = torch.optim.AdamW(student.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
 
-    from lsparse.bench.quality import read_documents, token_windows
     from lsparse.source.tokenizer import sentencepiece
+    from lsparse.text import read_documents, token_windows
     tok = sentencepiece(SHARED / "stories260K" / "tok512.model")
     held_out = token_windows(tok, read_documents(SHARED / "tinystories" / "validation_100.txt"), 512)
 

@@ -1,12 +1,26 @@
+"""What many test files share: the real data's place, the reference libraries, and the lsparse command as a
+user runs it."""
+
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("LSPARSE_SHARED_DATA", REPO.parent / "shared" / "data"))
+LSPARSE = Path(sys.executable).with_name("lsparse")  # the console script pip installed beside this Python
+
+
+def lsparse(*args, env=None, timeout=120, cwd=REPO, input=None) -> subprocess.CompletedProcess:
+    """`lsparse ARGS...` through the installed console script, as a user runs it."""
+    if not LSPARSE.exists():
+        pytest.fail(f"{LSPARSE} is missing: install lsparse into this Python's environment (pip install -e .)")
+    return subprocess.run([str(LSPARSE), *args], capture_output=True, text=True, env={**os.environ, **(env or {})},
+                          timeout=timeout, cwd=cwd, input=input)
 
 
 def shared_file(relative: str) -> Path:

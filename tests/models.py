@@ -8,27 +8,12 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
+from lsparse.bench.random_weights import llama_tensors as tiny_llama_tensors
+
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32,
               "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
               "vocab_size": 512, "max_position_embeddings": 64, "rms_norm_eps": 1e-5, "hidden_act": "relu",
               "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2}
-
-
-def tiny_llama_tensors(config: dict, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    d, f = config["hidden_size"], config["intermediate_size"]
-    kv = d // config["num_attention_heads"] * config["num_key_value_heads"]
-    tensors = {"model.embed_tokens.weight": rng.standard_normal((config["vocab_size"], d)),
-               "model.norm.weight": np.ones(d)}
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        shapes = {"self_attn.q_proj": (d, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
-                  "self_attn.o_proj": (d, d), "mlp.gate_proj": (f, d), "mlp.up_proj": (f, d),
-                  "mlp.down_proj": (d, f)}
-        tensors.update({p + k + ".weight": rng.standard_normal(s) / np.sqrt(s[1]) for k, s in shapes.items()})
-        tensors[p + "input_layernorm.weight"] = np.ones(d)
-        tensors[p + "post_attention_layernorm.weight"] = np.ones(d)
-    return {k: v.astype(np.float32) for k, v in tensors.items()}
 
 
 def write_tiny_llama(folder: Path, config: dict | None = None, shards: int = 1, tokenizer: Path | None = None) -> Path:

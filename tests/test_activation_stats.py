@@ -10,8 +10,7 @@ import pytest
 from lsparse.calibrate.activations import HOT_SHARES, WINDOWS, layer_stats, record_activations
 from lsparse.model import load_model
 from lsparse.source import resolve
-from tests.conftest import shared_file
-from tests.test_sources import lsparse
+from tests.conftest import lsparse, shared_file
 
 
 def brute_force(active: np.ndarray, lengths: list[int]) -> dict:

@@ -7,10 +7,9 @@ import json
 
 import pytest
 
-from lsparse.bench.ladder import LADDER
+from lsparse.bench.rungs import LADDER
 from lsparse.image.compile import CompileOptions, compile_image
-from tests.conftest import shared_file
-from tests.test_sources import lsparse
+from tests.conftest import lsparse, shared_file
 
 
 @pytest.fixture(scope="module")

@@ -6,13 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from lsparse.bench.quality import perplexity, read_documents, token_windows
 from lsparse.calibrate.activations import record_activations
 from lsparse.image.compile import CompileOptions, compile_image
 from lsparse.model import load_model
-from lsparse.runtime.generate import GenerationStats, generate
-from lsparse.runtime.image_model import load_image
+from lsparse.model.perplexity import perplexity
+from lsparse.runtime.generate import generate
+from lsparse.runtime.load import load_image
 from lsparse.source import resolve
+from lsparse.text import read_documents, token_windows
 from tests.conftest import shared_file
 
 BUILTIN = "builtin:tinystories-reglu"
@@ -48,24 +49,26 @@ def builtin_image(tmp_path_factory):
     return image, compile_image(BUILTIN, str(image), CompileOptions(bits=8, predictor="lowrank", max_gap_bytes=0))
 
 
+@pytest.mark.slow  # the fixture trains a predictor per layer: about 30 s
 def test_exact_mode_reproduces_dense_for_256_tokens(builtin_image):
     image, _ = builtin_image
     greedy = lambda logits: int(np.argmax(logits))  # noqa: E731
     runs = {}
     for mode in ("exact", "dense"):
-        model, tok = load_image(image, mode)
+        model, tok = load_image(image, mode=mode)
         prompt = tok.encode("Once upon a time")
-        runs[mode] = list(generate(model, prompt, 256, greedy, set(), GenerationStats()))
+        runs[mode] = generate(model, tok, prompt, 256, greedy, set())
     assert len(runs["exact"]) == 256 and runs["exact"] == runs["dense"]
 
 
+@pytest.mark.slow
 def test_predictors_and_layout_on_real_calibration_data(builtin_image):
     _, manifest = builtin_image
-    quality = [layer["predictor"]["quality"] for layer in manifest["layers"]]
+    quality = [layer.figures["predictor"] for layer in manifest.layers]
     # held out, not the training split; the last layer fires 0.6% of its neurons and is the hardest to predict
     assert np.mean([q["recall"] for q in quality]) >= 0.9
     assert np.mean([q["false_negative_mass"] for q in quality]) <= 0.05
     assert all(q["predicted_fraction"] < 0.5 for q in quality)  # it loads far less than the whole layer
-    reads = {k: np.mean([layer["layout"][k]["reads_per_token"] for layer in manifest["layers"]])
+    reads = {k: np.mean([layer.figures["layout"][k]["reads_per_token"] for layer in manifest.layers])
              for k in ("natural", "coactivation")}
     assert reads["coactivation"] < reads["natural"]

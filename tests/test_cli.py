@@ -6,9 +6,8 @@ import json
 
 import pytest
 
-from tests.conftest import shared_file
+from tests.conftest import lsparse, shared_file
 from tests.models import write_tiny_llama
-from tests.test_sources import lsparse
 
 
 def test_help_lists_the_commands():

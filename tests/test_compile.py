@@ -9,18 +9,17 @@ import shutil
 import numpy as np
 import pytest
 
-from lsparse.calibrate.layout import coactivation_order, read_stats
+from lsparse.calibrate.layout import coactivation_order
 from lsparse.errors import LsparseError
 from lsparse.image import compile as compile_module
-from lsparse.image.bundles import decode_bundles, encode_bundles
+from lsparse.image.bundles import decode_bundles, encode_bundles, read_stats
 from lsparse.image.compile import CompileOptions, compile_image
-from lsparse.image.format import load_manifest, verify
+from lsparse.image.image import Image
 from lsparse.image.quantize import dequantize_rows, quantize_rows
 from lsparse.source import resolve
 from lsparse.source.safetensors_store import SafetensorsFile
-from tests.conftest import shared_file
+from tests.conftest import lsparse, shared_file
 from tests.models import TINY_LLAMA, write_tiny_llama, write_tiny_opt
-from tests.test_sources import lsparse
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -88,18 +87,18 @@ def options(**kw):
 def test_compile_tiny_relu_llama_then_verify_and_inspect(tiny_relu_llama, tmp_path):
     image = tmp_path / "image"
     manifest = compile_image(str(tiny_relu_llama), str(image), options(hot_fraction=0.25))
-    assert verify(image) == []
+    assert Image.open(image).verify() == []
     checkpoint = resolve(str(tiny_relu_llama))
-    for layer in manifest["layers"]:
-        assert sorted(layer["hot"] + layer["cold_order"]) == list(range(256))
-        assert len(layer["hot"]) == 64 and layer["region"]["offset"] % 4096 == 0
-        assert layer["activation_threshold"] == 0.0  # ReLU: exact zeros
+    for layer in manifest.layers:
+        assert sorted(layer.hot.tolist() + layer.cold_order.tolist()) == list(range(256))
+        assert len(layer.hot) == 64 and layer.region.offset % 4096 == 0
+        assert layer.threshold == 0.0  # ReLU: exact zeros
         # the hot bundles in RAM are the checkpoint's rows, in fp16
-        hot = SafetensorsFile(image / "resident" / f"layer-{layer['index']:03d}.safetensors").get("hot_bundles")
+        hot = SafetensorsFile(image / "resident" / f"layer-{layer.index:03d}.safetensors").get("hot_bundles")
         rows = decode_bundles(hot.astype(np.uint8), ("up", "down", "gate"), 64, 16, 64)
-        up = checkpoint.tensors.get(f"model.layers.{layer['index']}.mlp.up_proj.weight")
-        np.testing.assert_allclose(rows["up"], up[layer["hot"]], atol=2e-3)
-        q = layer["predictor"]["quality"]
+        up = checkpoint.tensors.get(f"model.layers.{layer.index}.mlp.up_proj.weight")
+        np.testing.assert_allclose(rows["up"], up[layer.hot], atol=2e-3)
+        q = layer.figures["predictor"]
         assert 0.9 <= q["recall"] <= 1.0 and 0 < q["precision"] <= 1
     assert (image / "tokenizer.model").exists() and (image / "tokenizer_config.json").exists()
     result = lsparse("inspect", str(image), "--json")
@@ -113,15 +112,15 @@ def test_compile_tiny_relu_llama_then_verify_and_inspect(tiny_relu_llama, tmp_pa
 def test_compile_tiny_opt_with_exact_gating(tmp_path):
     folder = write_tiny_opt(tmp_path / "opt", tokenizer=shared_file("stories260K/tok512.model"))
     manifest = compile_image(str(folder), str(tmp_path / "image"), options(predictor="exact"))
-    assert manifest["bundle"]["components"] == ["down", "up"] and manifest["bundle"]["exact_prefix"] == 1
-    assert all(layer["predictor"]["quality"]["recall"] == 1.0 for layer in manifest["layers"])
-    assert verify(tmp_path / "image") == []
+    assert manifest.bundle.components == ("down", "up") and manifest.bundle.exact_prefix == 1
+    assert all(layer.figures["predictor"]["recall"] == 1.0 for layer in manifest.layers)
+    assert Image.open(tmp_path / "image").verify() == []
 
 
 @pytest.mark.parametrize("damage,message", [
     ("truncate", "neurons.bin: .* bytes, expected"),
     ("flip", "checksum mismatch"),
-    ("version", "version 99 is not supported"),
+    ("version", "image format version 99; this lsparse reads version 2"),
     ("manifest", "not an lsparse image"),
 ])
 def test_damaged_images_are_refused(tiny_relu_llama, tmp_path, damage, message):
@@ -162,7 +161,7 @@ def test_existing_image_needs_force(tiny_relu_llama, tmp_path):
     with pytest.raises(LsparseError, match="already exists"):
         compile_image(str(tiny_relu_llama), str(tmp_path / "image"), options())
     compile_image(str(tiny_relu_llama), str(tmp_path / "image"), options(force=True))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["image"] and verify(tmp_path / "image") == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["image"] and Image.open(tmp_path / "image").verify() == []
 
 
 @pytest.mark.parametrize("fault", [KeyboardInterrupt(), OSError(errno.ENOSPC, "No space left on device")])
@@ -189,9 +188,9 @@ def test_presets_load_and_the_command_line_wins(tiny_relu_llama, tmp_path):
     result = lsparse("compile", str(tiny_relu_llama), "-o", str(tmp_path / "image"), "--config",
                      str(tmp_path / "mine.toml"), "--hot-fraction", "0.25", "--calib-tokens", "512")
     assert result.returncode == 0, result.stderr
-    manifest = load_manifest(tmp_path / "image")
-    assert manifest["quantization"]["bits"] == 16 and manifest["predictor"]["kind"] == "svd"
-    assert len(manifest["layers"][0]["hot"]) == 64  # 0.25 of 256, from the command line, not the preset's 0.5
+    manifest = Image.open(tmp_path / "image").manifest
+    assert manifest.bundle.bits == 16 and manifest.predictor == "svd"
+    assert len(manifest.layers[0].hot) == 64  # 0.25 of 256, from the command line, not the preset's 0.5
     (tmp_path / "bad.toml").write_text("bitz = 4\n")
     bad = lsparse("compile", str(tiny_relu_llama), "-o", str(tmp_path / "other"), "--config",
                   str(tmp_path / "bad.toml"))
@@ -205,7 +204,7 @@ def test_pack_round_trips_and_refuses_damage(tiny_relu_llama, tmp_path):
     sizes = pack(image, tmp_path / "image.lsimg.zst")
     assert 0 < sizes["packed_bytes"] < sizes["image_bytes"]
     unpack(tmp_path / "image.lsimg.zst", tmp_path / "copy")
-    for name in load_manifest(image)["files"]:
+    for name in Image.open(image).manifest.files:
         assert (tmp_path / "copy" / name).read_bytes() == (image / name).read_bytes()
 
     data = (tmp_path / "image.lsimg.zst").read_bytes()
@@ -215,7 +214,7 @@ def test_pack_round_trips_and_refuses_damage(tiny_relu_llama, tmp_path):
     # a neuron region altered before packing: the pack is whole, the image inside is not
     neurons = image / "neurons.bin"
     raw = bytearray(neurons.read_bytes())
-    raw[load_manifest(image)["layers"][0]["region"]["offset"]] ^= 0xFF
+    raw[Image.open(image).manifest.layers[0].region.offset] ^= 0xFF
     neurons.write_bytes(bytes(raw))
     pack(image, tmp_path / "altered.zst")
     with pytest.raises(LsparseError, match="damaged"):

@@ -22,8 +22,8 @@ def test_mlx_generates_exactly_the_source_lsparse_renders_and_commits():
     for (name, value), source in captured.items():
         assert source == render(name, value), f"{name} {value}: MLX's source differs from lsparse's rendering"
         committed = (METAL_DIR / "generated" / f"{name}-{value}.metal").read_text()
-        assert committed == source, f"metal/generated/{name}-{value}.metal is stale: python -m " \
-                                    "lsparse.kernels.capture metal/generated, then review the diff"
+        assert committed == source, f"lsparse/kernels/metal/generated/{name}-{value}.metal is stale: python -m " \
+                                    "lsparse.kernels.capture lsparse/kernels/metal/generated, then review the diff"
 
 
 def needs_clang_reason() -> str:
@@ -70,10 +70,10 @@ def test_cpu_path_matches_dense_arithmetic_on_decoded_rows(bits):
     w, slots, x, a = rows_and_slots(bits)
     dense = dequantize_rows(w.view(np.uint8), x.shape[0], bits, GROUP)
     valid = slots >= 0
-    np.testing.assert_allclose(cpu.gather_mv(w, slots, x, bits)[valid], dense[slots[valid]] @ x, rtol=1e-5,
+    np.testing.assert_allclose(cpu.gather_mv(w, slots, x, bits, GROUP)[valid], dense[slots[valid]] @ x, rtol=1e-5,
                                atol=1e-4)
-    assert (cpu.gather_mv(w, slots, x, bits)[~valid] == 0).all()
-    np.testing.assert_allclose(cpu.gather_down(w, slots, a, bits, x.shape[0]), a[valid] @ dense[slots[valid]],
+    assert (cpu.gather_mv(w, slots, x, bits, GROUP)[~valid] == 0).all()
+    np.testing.assert_allclose(cpu.gather_down(w, slots, a, bits, x.shape[0], GROUP), a[valid] @ dense[slots[valid]],
                                rtol=1e-5, atol=1e-4)
 
 
@@ -164,9 +164,9 @@ def test_metal_kernels_match_the_cpu_path(bits):
     from lsparse.kernels import metal
     w, slots, x, a = rows_and_slots(bits)
     y = np.array(metal.gather_mv(mx.array(w), mx.array(slots), mx.array(x), bits))
-    np.testing.assert_allclose(y, cpu.gather_mv(w, slots, x, bits), rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(y, cpu.gather_mv(w, slots, x, bits, GROUP), rtol=1e-4, atol=1e-3)
     out = np.array(metal.gather_down(mx.array(w), mx.array(slots), mx.array(a), bits, x.shape[0]))
-    np.testing.assert_allclose(out, cpu.gather_down(w, slots, a, bits, x.shape[0]), rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(out, cpu.gather_down(w, slots, a, bits, x.shape[0], GROUP), rtol=1e-4, atol=1e-3)
 
 
 @pytest.mark.metal
@@ -200,11 +200,11 @@ def emulate_kernel(name, bits, sanitizer="address", source=None, d=320, capacity
     if name == "gather_mv":
         got = emulate.run(binary, {"w": w, "slots": slots, "x": x}, {"y": ((capacity,), np.float32)},
                           grid=(32, capacity, 1), threadgroup=(32, 4, 1))["y"]
-        return got, cpu.gather_mv(w, slots, x, bits)
+        return got, cpu.gather_mv(w, slots, x, bits, GROUP)
     words = d * bits // 32
     got = emulate.run(binary, {"w": w, "slots": slots, "a": a}, {"out": ((d,), np.float32)},
                       grid=(words, 1, 1), threadgroup=(32, 1, 1))["out"]
-    return got, cpu.gather_down(w, slots, a, bits, d)
+    return got, cpu.gather_down(w, slots, a, bits, d, GROUP)
 
 
 @needs_clang

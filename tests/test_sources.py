@@ -4,9 +4,6 @@ stand-in, and the one-line errors for bad input."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -14,14 +11,9 @@ import pytest
 from lsparse.errors import LsparseError
 from lsparse.model import load_model
 from lsparse.source import resolve
-from tests.conftest import REPO, shared_file
+from tests.conftest import lsparse, shared_file
 from tests.hub_standin import COMMIT, serve_repo
 from tests.models import TINY_LLAMA, write_tiny_llama
-
-
-def lsparse(*args, env=None, timeout=120):
-    return subprocess.run([sys.executable, "-m", "lsparse.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=timeout, cwd=REPO)
 
 
 def test_sharded_folder_reads_like_single_file(tmp_path):

@@ -7,11 +7,12 @@ import json
 import numpy as np
 import pytest
 
-from lsparse.bench.synthetic import TRACE, Trace, record_trace, write_synthetic
+from lsparse.bench.synthetic import record_trace, write_synthetic
 from lsparse.errors import LsparseError
-from lsparse.image.format import verify
-from lsparse.runtime.image_model import load_image
-from tests.test_sources import lsparse
+from lsparse.image.image import Image
+from lsparse.image.trace import TRACE, Trace
+from lsparse.runtime.load import load_image
+from tests.conftest import lsparse
 
 
 @pytest.fixture(scope="module")
@@ -24,25 +25,24 @@ def synthetic(tmp_path_factory):
 def test_replayed_masks_keep_each_traced_layers_statistics(synthetic):
     masks, _ = record_trace(512)
     trace = Trace(synthetic / TRACE)
-    meta = json.loads((synthetic / "manifest.json").read_text())
-    for layer in meta["layers"]:
-        replayed = trace.all_masks(layer["index"], len(masks))
-        traced = masks[:, layer["index"] % masks.shape[1]]
+    for layer in Image.open(synthetic).manifest.layers:
+        replayed = trace.all_masks(layer.index, len(masks))
+        traced = masks[:, layer.index % masks.shape[1]]
         # every tile replays the whole trace once, permuted: the same share of neurons fire, token for token
         assert replayed.mean() == pytest.approx(traced.mean(), abs=1e-12)
-        assert layer["calibration"]["active_fraction"] == pytest.approx(traced.mean())
+        assert layer.active_fraction == pytest.approx(traced.mean())
 
 
 def test_synthetic_image_verifies_and_runs_only_where_it_means_something(synthetic):
-    assert verify(synthetic) == []
-    model, _ = load_image(synthetic, "predicted")
+    assert Image.open(synthetic).verify() == []
+    model, _ = load_image(synthetic, mode="predicted")
     cache = model.make_cache(8)
     for t in range(8):
         model([t + 3], cache)
     assert sum(s.bytes_read for s in model.costs.steps) > 0
     for mode in ("exact", "dense"):
         with pytest.raises(LsparseError, match="synthetic"):
-            load_image(synthetic, mode)
+            load_image(synthetic, mode=mode)
 
 
 def test_synthetic_ladder_reads_less_at_each_rung(synthetic, tmp_path):
@@ -63,18 +63,18 @@ def test_the_budget_plans_each_layers_cache_as_its_store_keeps_rows(synthetic, m
     """The CPU path keeps a large store's rows 4-bit and decodes a small one's to fp32, so layers of one image
     differ; the plan must count each layer's cache as the runtime allocates it, at any budget it admits."""
     from lsparse.kernels import backends
-    meta = json.loads((synthetic / "manifest.json").read_text())
-    model, _ = load_image(synthetic, "predicted", window=1)  # caches of a token's worth: sizes differ by layer
+    d_model = Image.open(synthetic).manifest.bundle.d_model
+    model, _ = load_image(synthetic, mode="predicted", window=1)  # caches of a token's worth: sizes differ by layer
     sizes = sorted(len(f.cache.neuron_of) for f in model.ffns)
     if backends.load_native() is None or sizes[0] == sizes[-1]:
         pytest.skip("needs the C kernels and layers of different cache sizes")
     # between the smallest and the largest store: some layers keep rows as stored, some decode them
-    monkeypatch.setattr(backends, "STORED_MIN_WEIGHTS", sizes[-1] * meta["bundle"]["d_model"])
+    monkeypatch.setattr(backends, "STORED_MIN_WEIGHTS", sizes[-1] * d_model)
     for budget in (None, "smallest"):
         if budget == "smallest":
-            budget = model.memory_plan["smallest_budget"]
-        model, _ = load_image(synthetic, "predicted", window=1, ram_budget=budget)
+            budget = model.memory_plan.smallest_budget
+        model, _ = load_image(synthetic, mode="predicted", window=1, ram_budget=budget)
         stores = [store for f in model.ffns for store in f.cache.rows]
         assert {s.dtype for s in stores} == {np.dtype(np.uint8), np.dtype(np.float32)}
-        assert sum(s.nbytes for s in stores) == model.memory_plan["neuron_cache"]
-        assert budget is None or model.memory_plan["total"] <= budget
+        assert sum(s.nbytes for s in stores) == model.memory_plan.neuron_cache
+        assert budget is None or model.memory_plan.total <= budget

@@ -16,61 +16,33 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
 
 from lsparse import __version__
 from lsparse.errors import LsparseError
+from lsparse.image.manifest import Layer, Region
+from lsparse.image.trace import TRACE, Trace
 
 GEOMETRIES = {"llama-7b-relu": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32},
               "tiny-relu": {"hidden_size": 128, "intermediate_size": 768, "num_hidden_layers": 4}}  # for tests
 TRACE_MODEL = "builtin:tinystories-reglu"
 PATTERN_NEURONS = 512  # distinct random bundles, repeated through the neuron file: the bytes only need reading
-TRACE = "trace.npz"
 
 
 def record_trace(tokens: int) -> tuple[np.ndarray, object]:
     """(tokens, layers, d_ff) activation masks of the built-in model on lsparse's calibration text."""
-    from lsparse.bench.quality import limit_tokens, read_documents, token_windows
     from lsparse.calibrate.activations import record_activations
     from lsparse.image.compile import DEFAULT_CALIBRATION
     from lsparse.model import load_model
     from lsparse.source import resolve
+    from lsparse.text import limit_tokens, read_documents, token_windows
     checkpoint = resolve(TRACE_MODEL)
     windows = limit_tokens(token_windows(checkpoint.tokenizer, read_documents(DEFAULT_CALIBRATION), 512), tokens)
     acts = record_activations(load_model(checkpoint, "numpy"), windows)
     return np.stack([a != 0 for a in acts], axis=1), checkpoint.tokenizer
-
-
-class Trace:
-    """The replayed masks of a synthetic image, one token after another (cycling through the trace)."""
-
-    def __init__(self, path: Path):
-        data = np.load(path)
-        self.masks = np.unpackbits(data["masks"], axis=-1, count=int(data["d_ff"])).astype(bool)
-        self.perms, self.offsets, self.source_layer = data["perms"], data["offsets"], data["source_layer"]
-        self.position = -1
-
-    def step(self) -> None:
-        self.position += 1
-
-    def mask(self, layer: int) -> np.ndarray:
-        rows = (self.position + self.offsets) % len(self.masks)        # one trace token per tile
-        tiles = self.masks[rows, self.source_layer[layer]]             # (tiles, d_ff of the traced model)
-        return np.take_along_axis(tiles, self.perms[layer], axis=1).ravel()
-
-    def all_masks(self, layer: int, tokens: int) -> np.ndarray:
-        keep = self.position
-        out = []
-        for t in range(tokens):
-            self.position = t
-            out.append(self.mask(layer))
-        self.position = keep
-        return np.array(out)
 
 
 def _config(name: str, tokenizer_config: dict) -> dict:
@@ -119,15 +91,65 @@ def write_neuron_file(path: Path, layers: int, d_ff: int, pattern: np.ndarray, p
     return offsets
 
 
-def write_synthetic(name: str, out, bits: int = 4, hot_fraction: float = 0.1, layout: str = "coactivation",
-                    trace_tokens: int = 1024, seed: int = 0, shared: Path | None = None, progress=None) -> dict:
-    """Write the synthetic image `name` to `out`; the neuron file of each precision is kept once in `shared`
-    (default: beside `out`) and hard-linked in, so that the ladder's variants cost no more disk."""
+def _shared_neuron_file(shared: Path, n_layers: int, d: int, f: int, bits: int, seed: int,
+                        progress) -> tuple[Path, dict, np.ndarray]:
+    """(the neuron file of this precision, its region offsets and checksums, the pattern of bundles it
+    repeats), written once into `shared`."""
+    from lsparse.image.image import sha256_file
+    shared.mkdir(parents=True, exist_ok=True)
+    neuron_file = shared / f"neurons-{bits}bit.bin"
+    pattern = _pattern(d, bits, np.random.default_rng(seed + 1))
+    meta_file = neuron_file.with_suffix(".json")
+    if not (neuron_file.exists() and meta_file.exists()):
+        offsets = write_neuron_file(neuron_file, n_layers, f, pattern, progress)
+        meta_file.write_text(json.dumps({"offsets": offsets, "sha256": sha256_file(neuron_file)}))
+    return neuron_file, json.loads(meta_file.read_text()), pattern
+
+
+def _synthetic_layer(index: int, d: int, trace: Trace, masks: np.ndarray, hot_fraction: float, layout: str,
+                     neuron_file: Path, offset: int, pattern: np.ndarray, writer, rng, wr) -> Layer:
+    """One layer: its hot set and cold order from the replayed masks, its resident tensors written."""
     from lsparse.calibrate.layout import coactivation_order
     from lsparse.calibrate.residency import hot_set
+    from lsparse.image.image import sha256_file
+    t_len, _, traced_ff = masks.shape
+    active = trace.all_masks(index, t_len)  # (t_len, d_ff)
+    f, stride = active.shape[1], pattern.shape[1]
+    hot = hot_set(active.mean(0) + 1e-9 * rng.random(f), hot_fraction)
+    is_hot = np.zeros(f, bool)
+    is_hot[hot] = True
+    if layout == "coactivation":  # the traced layer's order, through each tile's permutation
+        base = coactivation_order(masks[:, trace.source_layer[index]])
+        order = np.concatenate([k * traced_ff + np.argsort(trace.perms[index, k])[base]
+                                for k in range(len(trace.perms[index]))])
+    else:
+        order = np.arange(f)
+    cold_order = order[~is_hot[order]]
+    size = len(cold_order) * stride
+    region = Region(offset=offset, count=len(cold_order), size=size, sha256=sha256_file(neuron_file, offset, size))
+    attention = {"q": (64, d), "k": (64, d), "v": (64, d), "o": (d, 64)}
+    writer.save_resident(f"layer-{index:03d}", {
+        **{k: (wr.standard_normal(shape) * 0.02).astype(np.float16) for k, shape in attention.items()},
+        "input_norm": np.ones(d, np.float16), "post_norm": np.ones(d, np.float16),
+        "hot_bundles": np.ascontiguousarray(np.resize(pattern, (len(hot), stride)))})
+    per_token = active.mean(1)
+    return Layer(index=index, d_ff=f, hot=hot, cold_order=cold_order, region=region, threshold=0.0,
+                 threshold_on="gate", predictor_rank=None, predictor_threshold=None,
+                 active_fraction=float(per_token.mean()), max_active_fraction=float(per_token.max()),
+                 max_predicted_fraction=float(per_token.max()),
+                 figures={"predictor": {"predicted_fraction": float(per_token.mean()),
+                                        "max_predicted_fraction": float(per_token.max())}})
+
+
+def write_synthetic(name: str, out, bits: int = 4, hot_fraction: float = 0.1, layout: str = "coactivation",
+                    trace_tokens: int = 1024, seed: int = 0, shared: Path | None = None, progress=None):
+    """Write the synthetic image `name` to `out` (returns its Manifest); the neuron file of each precision is
+    kept once in `shared` (default: beside `out`) and hard-linked in, so that the ladder's variants cost no
+    more disk."""
     from lsparse.image.bundles import stride as bundle_stride
-    from lsparse.image.format import FORMAT, MANIFEST, NEURONS, VERSION, sha256_file, staging_directory
+    from lsparse.image.manifest import BundleLayout
     from lsparse.image.quantize import check, row_bytes
+    from lsparse.image.writer import writing
     from lsparse.model.llama import BUNDLE, EXACT_PREFIX
     if name not in GEOMETRIES:
         raise LsparseError(f"unknown synthetic model {name!r} (known: {', '.join(GEOMETRIES)})")
@@ -143,82 +165,33 @@ def write_synthetic(name: str, out, bits: int = 4, hot_fraction: float = 0.1, la
         raise LsparseError(f"{name}: d_ff {f} is not a multiple of the traced model's {traced_ff}")
     perms = np.stack([np.stack([rng.permutation(traced_ff) for _ in range(tiles)]) for _ in range(n_layers)])
     offsets = rng.integers(0, t_len, tiles)
-    source_layer = np.arange(n_layers) % traced_layers
-
-    shared = Path(shared or out.parent / f".{name}-neurons")
-    shared.mkdir(parents=True, exist_ok=True)
-    neuron_file = shared / f"neurons-{bits}bit.bin"
-    stride = bundle_stride(d, len(BUNDLE), bits, 64)
-    pattern = _pattern(d, bits, np.random.default_rng(seed + 1))
-    meta_file = neuron_file.with_suffix(".json")
-    if not (neuron_file.exists() and meta_file.exists()):
-        offsets_file = write_neuron_file(neuron_file, n_layers, f, pattern, progress)
-        meta_file.write_text(json.dumps({"offsets": offsets_file, "sha256": sha256_file(neuron_file)}))
-    file_meta = json.loads(meta_file.read_text())
-
-    with staging_directory(out) as tmp:
-        (tmp / "resident").mkdir()
-        try:
-            os.link(neuron_file, tmp / NEURONS)
-        except OSError:  # another file system: a copy
-            shutil.copyfile(neuron_file, tmp / NEURONS)
-        tokenizer.save(tmp)
-        np.savez(tmp / TRACE, masks=np.packbits(masks, axis=-1), d_ff=traced_ff, perms=perms.astype(np.int16),
-                 offsets=offsets, source_layer=source_layer)
-        trace = Trace(tmp / TRACE)
+    neuron_file, file_meta, pattern = _shared_neuron_file(Path(shared or out.parent / f".{name}-neurons"),
+                                                          n_layers, d, f, bits, seed, progress)
+    with writing(out, force=True) as writer:
+        writer.link_neurons(neuron_file, file_meta["sha256"])
+        tokenizer.save(writer.root)
+        np.savez(writer.path(TRACE), masks=np.packbits(masks, axis=-1), d_ff=traced_ff,
+                 perms=perms.astype(np.int16), offsets=offsets, source_layer=np.arange(n_layers) % traced_layers)
+        trace = Trace(writer.path(TRACE))
         wr = np.random.default_rng(seed + 2)
-        save_file({"embed": (wr.standard_normal((512, d)) * 0.02).astype(np.float16),
-                   "norm": np.ones(d, np.float16)}, str(tmp / "resident" / "globals.safetensors"))
+        writer.save_resident("globals", {"embed": (wr.standard_normal((512, d)) * 0.02).astype(np.float16),
+                                         "norm": np.ones(d, np.float16)})
         layers = []
-        for layer in range(n_layers):
-            active = trace.all_masks(layer, t_len)
-            frequency = active.mean(0)
-            hot = hot_set(frequency + 1e-9 * rng.random(f), hot_fraction)
-            is_hot = np.zeros(f, bool)
-            is_hot[hot] = True
-            if layout == "coactivation":  # the traced layer's order, through each tile's permutation
-                base = coactivation_order(masks[:, source_layer[layer]])
-                order = np.concatenate([k * traced_ff + np.argsort(perms[layer, k])[base] for k in range(tiles)])
-            else:
-                order = np.arange(f)
-            cold_order = order[~is_hot[order]]
-            region = {"offset": file_meta["offsets"][layer], "count": len(cold_order),
-                      "size": len(cold_order) * stride}
-            region["sha256"] = sha256_file(neuron_file, region["offset"], region["size"])
-            resident = {"q": (wr.standard_normal((64, d)) * 0.02).astype(np.float16),
-                        "k": (wr.standard_normal((64, d)) * 0.02).astype(np.float16),
-                        "v": (wr.standard_normal((64, d)) * 0.02).astype(np.float16),
-                        "o": (wr.standard_normal((d, 64)) * 0.02).astype(np.float16),
-                        "input_norm": np.ones(d, np.float16), "post_norm": np.ones(d, np.float16),
-                        "hot_bundles": np.ascontiguousarray(np.resize(pattern, (len(hot), stride)))}
-            save_file(resident, str(tmp / "resident" / f"layer-{layer:03d}.safetensors"))
-            per_token = active.mean(1)
-            layers.append({"index": layer, "d_ff": f, "activation_threshold": 0.0, "hot": hot.tolist(),
-                           "cold_order": cold_order.tolist(), "region": region,
-                           "predictor": {"rank": None, "threshold": None,
-                                         "quality": {"predicted_fraction": float(per_token.mean()),
-                                                     "max_predicted_fraction": float(per_token.max())}},
-                           "calibration": {"active_fraction": float(per_token.mean()),
-                                           "max_active_fraction": float(per_token.max())}})
+        for index in range(n_layers):
+            layers.append(_synthetic_layer(index, d, trace, masks, hot_fraction, layout, neuron_file,
+                                           file_meta["offsets"][index], pattern, writer, rng, wr))
             if progress:
-                progress(f"{name}: layer {layer + 1}/{n_layers}")
-        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size,
-                                           "sha256": file_meta["sha256"] if p.name == NEURONS else sha256_file(p)}
-                 for p in sorted(tmp.rglob("*")) if p.is_file()}
-        manifest = {
-            "format": FORMAT, "version": VERSION, "config": _config(name, {}), "source": f"synthetic:{name}",
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "lsparse_version": __version__,
-            "quantization": {"bits": bits, "group_size": 64},
-            "bundle": {"components": list(BUNDLE), "exact_prefix": EXACT_PREFIX, "row_bytes": row_bytes(d, bits, 64),
-                       "stride": stride, "d_model": d},
-            "predictor": {"kind": "trace", "recall_target": None},
-            "calibration": {"text": "lsparse calibration stories (traced)", "tokens": t_len, "held_out_tokens": 0},
-            "synthetic": {"name": name, "trace_model": TRACE_MODEL, "trace_tokens": t_len, "tiles": tiles,
-                          "note": "random weights; neuron masks replayed from the built-in model's recorded "
-                                  "activations. No quality figure applies."},
-            "options": {"bits": bits, "hot_fraction": hot_fraction, "layout": layout, "trace_tokens": trace_tokens,
-                        "seed": seed},
-            "files": files, "layers": layers,
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest) + "\n", encoding="utf-8")
-    return manifest
+                progress(f"{name}: layer {index + 1}/{n_layers}")
+        return writer.finish(
+            config=_config(name, {}), source=f"synthetic:{name}", lsparse_version=__version__,
+            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            bundle=BundleLayout(components=tuple(BUNDLE), exact_prefix=EXACT_PREFIX, row_bytes=row_bytes(d, bits, 64),
+                                stride=bundle_stride(d, len(BUNDLE), bits, 64), d_model=d, bits=bits, group_size=64),
+            predictor="trace", recall_target=None,
+            calibration={"text": "lsparse calibration stories (traced)", "tokens": t_len, "held_out_tokens": 0},
+            options={"bits": bits, "hot_fraction": hot_fraction, "layout": layout, "trace_tokens": trace_tokens,
+                     "seed": seed},
+            layers=tuple(layers),
+            synthetic={"name": name, "trace_model": TRACE_MODEL, "trace_tokens": t_len, "tiles": tiles,
+                       "note": "random weights; neuron masks replayed from the built-in model's recorded "
+                               "activations. No quality figure applies."})

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from lsparse.runtime.reader import coalesce
-
 
 def coactivation_order(active: np.ndarray) -> np.ndarray:
     """A greedy chain through the co-activation graph of the given (tokens, n) masks: start at the most
@@ -27,21 +25,3 @@ def coactivation_order(active: np.ndarray) -> np.ndarray:
             candidates = np.where(placed, -np.inf, co[current] + tie_break)
             current = int(np.argmax(candidates))
     return order
-
-
-def read_stats(active: np.ndarray, position: np.ndarray, bundle_bytes: int, max_gap: int) -> dict:
-    """Mean reads per token and mean read size, for masks (tokens, n) and each neuron's file position
-    (-1: not on flash)."""
-    reads, read_bundles, needed = [], [], []
-    for row in active:
-        pos = position[row]
-        pos = pos[pos >= 0]
-        _, lengths, _ = coalesce(np.sort(pos), 1, 0, max_gap)  # in bundles
-        reads.append(len(lengths))
-        read_bundles.append(int(lengths.sum()))
-        needed.append(len(pos))
-    total_reads = max(sum(reads), 1)
-    return {"reads_per_token": float(np.mean(reads)),
-            "mean_read_bytes": float(sum(read_bundles) * bundle_bytes / total_reads),
-            "bytes_read_per_token": float(np.mean(read_bundles) * bundle_bytes),
-            "bytes_needed_per_token": float(np.mean(needed) * bundle_bytes)}

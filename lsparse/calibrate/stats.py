@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 
-from lsparse.bench.quality import limit_tokens, perplexity, read_documents, token_windows
 from lsparse.calibrate.activations import HOT_SHARES, average, layer_stats, record_activations, thresholded_ffns
 from lsparse.errors import LsparseError
 from lsparse.model import load_model
+from lsparse.model.perplexity import perplexity
 from lsparse.source import resolve
+from lsparse.text import limit_tokens, read_documents, token_windows
 
 
 def compute_stats(spec: str, text: str, tokens: int = 4096, window: int = 512,

@@ -1,4 +1,5 @@
-"""Row-column bundles: each neuron's rows stored contiguously, so that one read fetches all it needs."""
+"""Row-column bundles: each neuron's rows stored contiguously, so that one read fetches all it needs; and runs
+of neighbouring bundles read as one request (the gap rule), at run time and in compile's layout figures."""
 
 from __future__ import annotations
 
@@ -35,3 +36,39 @@ def decode_bundles(data: np.ndarray, components: tuple, d_model: int, bits: int,
     rb = row_bytes(d_model, bits, group_size)
     return {c: dequantize_rows(data[:, k * rb:(k + 1) * rb], d_model, bits, group_size)
             for k, c in enumerate(components)}
+
+
+def coalesce(positions: np.ndarray, stride: int, base: int, gap_bytes: int,
+             max_bytes: int | None = None) -> tuple[np.ndarray, ...]:
+    """Runs of ascending bundle positions, each read as one request when the gap between neighbours costs
+    less than a new request, and none longer than `max_bytes` (a reader's buffer). Returns each run's file
+    offset and length, and the run of each position."""
+    p = np.asarray(positions, dtype=np.int64)
+    assert np.all(p[1:] >= p[:-1]), "positions must be ascending"
+    first = np.ones(len(p), dtype=bool)
+    first[1:] = np.diff(p) > gap_bytes // stride + 1
+    if max_bytes is not None and len(p) and (p[-1] - p[0] + 1) * stride > max_bytes:  # long runs cut in pieces
+        start_of_run = p[np.flatnonzero(first)][np.cumsum(first) - 1]
+        piece = (p - start_of_run) // max(1, max_bytes // stride)
+        first[1:] |= piece[1:] != piece[:-1]
+    starts = np.flatnonzero(first)
+    ends = np.append(starts[1:], len(p))[: len(starts)] - 1
+    return base + p[starts] * stride, (p[ends] - p[starts] + 1) * stride, np.cumsum(first) - 1
+
+
+def read_stats(active: np.ndarray, position: np.ndarray, bundle_bytes: int, max_gap: int) -> dict:
+    """Mean reads per token and mean read size, for masks (tokens, n) and each neuron's file position
+    (-1: not on flash)."""
+    reads, read_bundles, needed = [], [], []
+    for row in active:
+        pos = position[row]
+        pos = pos[pos >= 0]
+        _, lengths, _ = coalesce(np.sort(pos), 1, 0, max_gap)  # in bundles
+        reads.append(len(lengths))
+        read_bundles.append(int(lengths.sum()))
+        needed.append(len(pos))
+    total_reads = max(sum(reads), 1)
+    return {"reads_per_token": float(np.mean(reads)),
+            "mean_read_bytes": float(sum(read_bundles) * bundle_bytes / total_reads),
+            "bytes_read_per_token": float(np.mean(read_bundles) * bundle_bytes),
+            "bytes_needed_per_token": float(np.mean(needed) * bundle_bytes)}

@@ -2,21 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 import time
 from dataclasses import dataclass
+from importlib.resources import files
 from pathlib import Path
 
 import numpy as np
-from safetensors.numpy import save_file
 
 from lsparse import __version__
-from lsparse.bench.quality import limit_tokens, read_documents, token_windows
 from lsparse.calibrate.activations import layer_stats
 from lsparse.calibrate.layerwise import calibrate_layers
-from lsparse.calibrate.layout import coactivation_order, read_stats
+from lsparse.calibrate.layout import coactivation_order
 from lsparse.calibrate.predictors import (
     KINDS,
     layer_rank,
@@ -28,12 +24,14 @@ from lsparse.calibrate.predictors import (
 )
 from lsparse.calibrate.residency import hot_set, neuron_scores
 from lsparse.errors import LsparseError
-from lsparse.image.bundles import ALIGN_REGION, component_rows, decode_bundles, encode_bundles, stride
-from lsparse.image.format import FORMAT, MANIFEST, NEURONS, VERSION, sha256_file, staging_directory
+from lsparse.image.bundles import component_rows, decode_bundles, encode_bundles, read_stats, stride
+from lsparse.image.manifest import BundleLayout, Layer, Manifest
 from lsparse.image.quantize import check, row_bytes
+from lsparse.image.writer import writing
 from lsparse.model import architecture
 from lsparse.model.layers import silu
 from lsparse.source import resolve
+from lsparse.text import limit_tokens, read_documents, token_windows
 
 DEFAULT_CALIBRATION = Path(__file__).resolve().parent.parent / "calibrate" / "data" / "stories.txt"
 MIN_CALIBRATION_TOKENS = 256
@@ -60,7 +58,7 @@ class CompileOptions:
     force: bool = False
 
 
-CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+PRESETS = files("lsparse.presets")
 PRESET_KEYS = ("calib_tokens", "bits", "group_size", "hot_fraction", "predictor", "rank", "recall",
                "threshold_sparsity", "predictor_epochs", "layout", "threshold_on")
 LAYOUTS = ("coactivation", "natural")
@@ -68,13 +66,15 @@ THRESHOLD_ON = ("gate", "product")
 
 
 def load_preset(name: str) -> dict:
-    """A compile preset: a TOML file, or the name of one in configs/ (opt, reglu-llama, drelu, swiglu-threshold)."""
+    """A compile preset: a TOML file, or the name of one in lsparse/presets/ (opt, reglu-llama, drelu,
+    swiglu-threshold)."""
     import tomllib
     path = Path(name)
-    if not path.exists():
-        path = CONFIG_DIR / f"{name}.toml"
-    if not path.exists():
-        known = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml"))) or "none"
+    if not path.is_file():
+        path = PRESETS / f"{name}.toml"
+    if not path.is_file():
+        known = ", ".join(sorted(p.name.removesuffix(".toml") for p in PRESETS.iterdir()
+                                 if p.name.endswith(".toml"))) or "none"
         raise LsparseError(f"no compile preset {name!r} (a TOML file, or one of: {known})")
     try:
         preset = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -108,84 +108,86 @@ def _calibration_windows(tokenizer, options: CompileOptions) -> tuple[list[list[
     return windows, train_tokens
 
 
-def _compile_layer(cal, arch, args, options: CompileOptions, train_n: int, tmp: Path, neurons,
-                   on_epoch=None) -> dict:
+def _layer_mask(cal, args, options: CompileOptions, tr: slice) -> tuple[float, np.ndarray, np.ndarray]:
+    """(the activation threshold, which neurons are active (N, d_ff), the activations as the image computes
+    them): ReLU-family zeros are exact; SwiGLU is cut by magnitude."""
     w, acts, x = cal.weights, cal.activations, cal.inputs
-    d_ff = acts.shape[1]
-    tr, ho = slice(0, train_n), slice(train_n, None)
     if relu_sparse(args):
-        threshold, active = 0.0, acts != 0
+        return 0.0, acts != 0, acts
+    # gate: CATS, a threshold on the gate's activation alone, so that a resident gate decides the mask
+    # exactly; product: on each neuron's coefficient (TEAL-like), which costs less quality but needs up
+    judged = np.abs(silu(x @ w["gate"].T, np)) if options.threshold_on == "gate" else np.abs(acts)
+    threshold = float(np.quantile(judged[tr], options.threshold_sparsity))
+    active = judged > threshold
+    return threshold, active, acts * active
+
+
+def _layer_predictor(cal, arch, options: CompileOptions, active, acts, rank: int, tr: slice, ho: slice,
+                     on_epoch) -> tuple[dict, float | None, dict]:
+    """(the predictor's tensors, its threshold, its held-out quality)."""
+    if options.predictor == "exact":
+        return {}, None, prediction_quality(active[ho], active[ho], acts[ho])
+    w, x = cal.weights, cal.inputs
+    if options.predictor == "svd":
+        proj = w[arch.EXACT_PROJECTION]
+        tensors = svd_predictor(proj, w.get(arch.EXACT_PROJECTION + "_bias"), min(rank, min(proj.shape)))
     else:
-        # gate: CATS, a threshold on the gate's activation alone, so that a resident gate decides the mask
-        # exactly; product: on each neuron's coefficient (TEAL-like), which costs less quality but needs up
-        judged = np.abs(silu(x @ w["gate"].T, np)) if options.threshold_on == "gate" else np.abs(acts)
-        threshold = float(np.quantile(judged[tr], options.threshold_sparsity))
-        active = judged > threshold
-        acts = acts * active
+        tensors = train_lowrank(x[tr], active[tr], rank, epochs=options.predictor_epochs, on_epoch=on_epoch)
+    s = predictor_scores(options.predictor, tensors, x)
+    threshold = threshold_for_recall(s[tr], active[tr], options.recall)
+    return tensors, threshold, prediction_quality(s[ho] > threshold, active[ho], acts[ho])
+
+
+def _layout_figures(active_held: np.ndarray, cold: np.ndarray, cold_order: np.ndarray, d_ff: int, size: int,
+                    options: CompileOptions) -> dict:
+    """Reads per token on the held-out tokens, cold neurons in id order against the chosen order."""
+    natural, placed = np.full(d_ff, -1), np.full(d_ff, -1)
+    natural[cold] = np.arange(len(cold))
+    placed[cold_order] = np.arange(len(cold))
+    gap = options.max_gap_bytes // size
+    return {"natural": read_stats(active_held, natural, size, gap),
+            "coactivation": read_stats(active_held, placed, size, gap)}
+
+
+def _compile_layer(cal, arch, args, options: CompileOptions, train_n: int, writer, on_epoch=None) -> Layer:
+    w = cal.weights
+    d_ff = cal.activations.shape[1]
+    tr, ho = slice(0, train_n), slice(train_n, None)
+    threshold, active, acts = _layer_mask(cal, args, options, tr)
     inputs = [w[c] for c in arch.BUNDLE if c != "down"]
     scores = neuron_scores(active[tr], acts[tr], inputs, w["down"], cal.input_norms)
     hot = hot_set(scores["score"], options.hot_fraction)
     cold = np.setdiff1d(np.arange(d_ff), hot)
     cold_order = cold[coactivation_order(active[tr][:, cold])] if options.layout == "coactivation" else cold
-
-    size = stride(w["down"].shape[0], len(arch.BUNDLE), options.bits, options.group_size)
-    gap = options.max_gap_bytes // size
-    natural, placed = np.full(d_ff, -1), np.full(d_ff, -1)
-    natural[cold] = np.arange(len(cold))
-    placed[cold_order] = np.arange(len(cold))
-    layout = {"natural": read_stats(active[ho], natural, size, gap),
-              "coactivation": read_stats(active[ho], placed, size, gap)}
-
-    proj, bias = w[arch.EXACT_PROJECTION], w.get(arch.EXACT_PROJECTION + "_bias")
     rank = layer_rank(options.rank, cal.index, args.num_hidden_layers)
-    predictor_tensors, predictor_threshold = {}, None
-    if options.predictor == "exact":
-        quality = prediction_quality(active[ho], active[ho], acts[ho])
-    else:
-        if options.predictor == "svd":
-            predictor_tensors = svd_predictor(proj, bias, min(rank, min(proj.shape)))
-        else:
-            predictor_tensors = train_lowrank(x[tr], active[tr], rank, epochs=options.predictor_epochs,
-                                              on_epoch=on_epoch)
-        s = predictor_scores(options.predictor, predictor_tensors, x)
-        predictor_threshold = threshold_for_recall(s[tr], active[tr], options.recall)
-        quality = prediction_quality(s[ho] > predictor_threshold, active[ho], acts[ho])
+    predictor, predictor_threshold, quality = _layer_predictor(cal, arch, options, active, acts, rank, tr, ho,
+                                                               on_epoch)
 
-    bundles = encode_bundles(w, arch.BUNDLE, np.arange(d_ff), options.bits, options.group_size)
+    bundles = encode_bundles(w, arch.BUNDLE, np.arange(d_ff), options.bits, options.group_size)  # (d_ff, stride)
     decoded = decode_bundles(bundles, arch.BUNDLE, w["down"].shape[0], options.bits, options.group_size)
     quant_error = {c: float(np.linalg.norm(decoded[c] - component_rows(w, c)) / np.linalg.norm(component_rows(w, c)))
                    for c in arch.BUNDLE}
-
-    offset = -(-neurons.tell() // ALIGN_REGION) * ALIGN_REGION
-    neurons.write(b"\0" * (offset - neurons.tell()))
-    region = np.ascontiguousarray(bundles[cold_order]).tobytes()
-    neurons.write(region)
-
+    region = writer.append_region(bundles[cold_order])
     rb = row_bytes(w["down"].shape[0], options.bits, options.group_size)
     k = arch.BUNDLE.index(arch.EXACT_PROJECTION)
     resident = {name: t.astype(np.float16) for name, t in w.items() if name not in FFN_KEYS}
     resident.update({name: w[name].astype(np.float32) for name in ("up_bias", "down_bias") if name in w})
     resident["hot_bundles"] = np.ascontiguousarray(bundles[hot])
     resident["exact_rows"] = np.ascontiguousarray(bundles[:, k * rb:(k + 1) * rb])
-    resident.update(predictor_tensors)
-    save_file(resident, str(tmp / "resident" / f"layer-{cal.index:03d}.safetensors"))
+    writer.save_resident(f"layer-{cal.index:03d}", {**resident, **predictor})
 
     held = layer_stats(active[ho], [active[ho].shape[0]])
-    hot_share = float(active[ho][:, hot].sum() / max(active[ho].sum(), 1))
-    return {"index": cal.index, "d_ff": d_ff, "activation_threshold": threshold,
-            "threshold_on": options.threshold_on,
-            "hot": hot.tolist(), "cold_order": cold_order.tolist(),
-            "region": {"offset": offset, "count": len(cold_order), "size": len(region),
-                       "sha256": hashlib.sha256(region).hexdigest()},
-            "predictor": {"rank": None if options.predictor == "exact" else rank, "threshold": predictor_threshold,
-                          "quality": quality},
-            "calibration": {"active_fraction": float(active.mean()),
-                            "max_active_fraction": float(active.mean(axis=1).max()), "held_out_hot_share": hot_share,
-                            "held_out_window_union": held["window_union_fraction"]},
-            "layout": layout, "quantization_error": quant_error}
+    figures = {"predictor": quality, "held_out_hot_share": float(active[ho][:, hot].sum() / max(active[ho].sum(), 1)),
+               "held_out_window_union": held["window_union_fraction"], "quantization_error": quant_error,
+               "layout": _layout_figures(active[ho], cold, cold_order, d_ff, bundles.shape[1], options)}
+    return Layer(index=cal.index, d_ff=d_ff, hot=hot, cold_order=cold_order, region=region, threshold=threshold,
+                 threshold_on=options.threshold_on, predictor_rank=None if options.predictor == "exact" else rank,
+                 predictor_threshold=predictor_threshold, active_fraction=float(active.mean()),
+                 max_active_fraction=float(active.mean(axis=1).max()),
+                 max_predicted_fraction=quality["max_predicted_fraction"], figures=figures)
 
 
-def compile_image(spec: str, out: str, options: CompileOptions, progress=None, training_progress=None) -> dict:
+def compile_image(spec: str, out: str, options: CompileOptions, progress=None, training_progress=None) -> Manifest:
     """Write the image of `spec` to `out`; returns its manifest. Nothing is left at `out` unless it completes.
     progress(layers done, layers); training_progress(layer, epochs done, epochs) while a predictor trains."""
     if options.predictor not in KINDS:
@@ -194,8 +196,7 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None, t
         raise LsparseError(f"unknown threshold_on {options.threshold_on!r} (choose from {', '.join(THRESHOLD_ON)})")
     if options.layout not in LAYOUTS:
         raise LsparseError(f"unknown layout {options.layout!r} (choose from {', '.join(LAYOUTS)})")
-    out = Path(out)
-    if out.exists() and not options.force:
+    if Path(out).exists() and not options.force:  # before the minutes of work, not only at the end
         raise LsparseError(f"{out} already exists (pass --force to replace it)")
     checkpoint = resolve(spec)
     if checkpoint.tokenizer is None:
@@ -204,39 +205,28 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None, t
     check(args.hidden_size, options.bits, options.group_size)
     windows, train_n = _calibration_windows(checkpoint.tokenizer, options)
 
-    with staging_directory(out) as tmp:
-        (tmp / "resident").mkdir()
-        checkpoint.tokenizer.save(tmp)
+    with writing(out, options.force) as writer:
+        checkpoint.tokenizer.save(writer.root)
         from lsparse.model import load_globals
-        save_file({k: v.astype(np.float16) for k, v in load_globals(checkpoint, arch, args).items()},
-                  str(tmp / "resident" / "globals.safetensors"))
+        writer.save_resident("globals", {k: v.astype(np.float16)
+                                         for k, v in load_globals(checkpoint, arch, args).items()})
         layers = []
-        with open(tmp / NEURONS, "wb") as neurons:
-            for cal in calibrate_layers(checkpoint, windows):
-                on_epoch = None
-                if training_progress:
-                    def on_epoch(epoch, index=cal.index):
-                        training_progress(index, epoch + 1, options.predictor_epochs)
-                layers.append(_compile_layer(cal, arch, args, options, train_n, tmp, neurons, on_epoch))
-                if progress:
-                    progress(cal.index + 1, args.num_hidden_layers)
-            neurons.flush()
-            os.fsync(neurons.fileno())
-        files = {str(p.relative_to(tmp)): {"size": p.stat().st_size, "sha256": sha256_file(p)}
-                 for p in sorted(tmp.rglob("*")) if p.is_file()}
-        manifest = {
-            "format": FORMAT, "version": VERSION, "config": checkpoint.config, "source": checkpoint.location,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "lsparse_version": __version__,
-            "quantization": {"bits": options.bits, "group_size": options.group_size},
-            "bundle": {"components": list(arch.BUNDLE), "exact_prefix": arch.EXACT_PREFIX,
-                       "row_bytes": row_bytes(args.hidden_size, options.bits, options.group_size),
-                       "stride": stride(args.hidden_size, len(arch.BUNDLE), options.bits, options.group_size),
-                       "d_model": args.hidden_size},
-            "predictor": {"kind": options.predictor, "recall_target": options.recall},
-            "calibration": {"text": str(options.calib), "tokens": sum(len(w) for w in windows),
-                            "held_out_tokens": sum(len(w) for w in windows) - train_n},
-            "options": {k: getattr(options, k) for k in PRESET_KEYS},
-            "files": files, "layers": layers,
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest) + "\n", encoding="utf-8")
-    return manifest
+        for cal in calibrate_layers(checkpoint, windows):
+            on_epoch = None
+            if training_progress:
+                def on_epoch(epoch, index=cal.index):
+                    training_progress(index, epoch + 1, options.predictor_epochs)
+            layers.append(_compile_layer(cal, arch, args, options, train_n, writer, on_epoch))
+            if progress:
+                progress(cal.index + 1, args.num_hidden_layers)
+        tokens = sum(len(w) for w in windows)
+        return writer.finish(
+            config=checkpoint.config, source=checkpoint.location, lsparse_version=__version__,
+            created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            bundle=BundleLayout(components=tuple(arch.BUNDLE), exact_prefix=arch.EXACT_PREFIX,
+                                row_bytes=row_bytes(args.hidden_size, options.bits, options.group_size),
+                                stride=stride(args.hidden_size, len(arch.BUNDLE), options.bits, options.group_size),
+                                d_model=args.hidden_size, bits=options.bits, group_size=options.group_size),
+            predictor=options.predictor, recall_target=options.recall,
+            calibration={"text": str(options.calib), "tokens": tokens, "held_out_tokens": tokens - train_n},
+            options={k: getattr(options, k) for k in PRESET_KEYS}, layers=tuple(layers), synthetic=None)

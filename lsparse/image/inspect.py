@@ -6,44 +6,45 @@ from pathlib import Path
 
 import numpy as np
 
-from lsparse.image.format import NEURONS, load_manifest
+from lsparse.image.image import Image
+from lsparse.image.manifest import NEURONS, Manifest
 from lsparse.source.safetensors_store import SafetensorsFile
 
 RESIDENT_KINDS = {"hot_bundles": "hot neurons", "exact_rows": "exact gate rows", "A": "predictors", "B": "predictors",
                   "W1": "predictors", "W2": "predictors", "b2": "predictors", "bias": "predictors"}
 
 
-def describe_image(image, manifest: dict | None = None) -> dict:
-    image = Path(image)
-    manifest = manifest or load_manifest(image)
+def describe_image(image, manifest: Manifest | None = None) -> dict:
+    image = Image(Path(image), manifest) if manifest is not None else Image.open(image)
+    m = image.manifest
     components = {"embedding, head, norms, attention": 0, "hot neurons": 0, "exact gate rows": 0,
                   "predictors": 0, "cold neurons (flash)": 0}
-    for path in sorted((image / "resident").glob("*.safetensors")):
+    for path in sorted((image.path / "resident").glob("*.safetensors")):
         f = SafetensorsFile(path)
         for name, (_, dtype, shape, _) in f.entries.items():
             kind = RESIDENT_KINDS.get(name, "embedding, head, norms, attention")
             components[kind] += int(np.prod(shape)) * dtype.itemsize
-    components["cold neurons (flash)"] = sum(layer["region"]["size"] for layer in manifest["layers"])
+    components["cold neurons (flash)"] = sum(layer.region.size for layer in m.layers)
     total = sum(components.values())
     layers = []
-    for layer in manifest["layers"]:
-        q, lay = layer["predictor"]["quality"], layer["layout"]
+    for layer in m.layers:
+        q, lay = layer.figures["predictor"], layer.figures["layout"]
         layers.append({
-            "index": layer["index"], "active_fraction": layer["calibration"]["active_fraction"],
-            "hot_fraction": len(layer["hot"]) / layer["d_ff"],
-            "hot_share_of_activations": layer["calibration"]["held_out_hot_share"],
+            "index": layer.index, "active_fraction": layer.active_fraction,
+            "hot_fraction": len(layer.hot) / layer.d_ff,
+            "hot_share_of_activations": layer.figures["held_out_hot_share"],
             "recall": q["recall"], "precision": q["precision"], "false_negative_mass": q["false_negative_mass"],
             "predicted_fraction": q["predicted_fraction"],
             "reads_per_token": {k: v["reads_per_token"] for k, v in lay.items()},
             "mean_read_bytes": {k: v["mean_read_bytes"] for k, v in lay.items()},
-            "quantization_error": max(layer["quantization_error"].values()),
+            "quantization_error": max(layer.figures["quantization_error"].values()),
         })
-    return {"image": str(image), "source": manifest["source"], "created": manifest["created"],
-            "quantization": manifest["quantization"], "predictor": manifest["predictor"],
-            "calibration": manifest["calibration"], "bundle_stride": manifest["bundle"]["stride"],
-            "bytes": total, "components": {k: {"bytes": v, "share": v / total} for k, v in components.items()},
-            "neuron_file_bytes": (image / NEURONS).stat().st_size if (image / NEURONS).exists() else 0,
-            "layers": layers}
+    return {"image": str(image.path), "source": m.source, "created": m.created,
+            "quantization": {"bits": m.bundle.bits, "group_size": m.bundle.group_size},
+            "predictor": {"kind": m.predictor, "recall_target": m.recall_target}, "calibration": m.calibration,
+            "bundle_stride": m.bundle.stride, "bytes": total,
+            "components": {k: {"bytes": v, "share": v / total} for k, v in components.items()},
+            "neuron_file_bytes": m.files[NEURONS].size, "layers": layers}
 
 
 def print_image(summary: dict) -> None:

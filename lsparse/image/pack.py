@@ -13,7 +13,9 @@ import tarfile
 from pathlib import Path
 
 from lsparse.errors import LsparseError
-from lsparse.image.format import MANIFEST, load_manifest, staging_directory, verify
+from lsparse.image.image import Image
+from lsparse.image.manifest import MANIFEST
+from lsparse.image.writer import staging_directory
 
 SUFFIX = ".lsimg.zst"
 
@@ -22,8 +24,8 @@ def pack(image, out, level: int = 3) -> dict:
     """Write `image` to `out`; returns the sizes before and after."""
     import zstandard
     image, out = Path(image), Path(out)
-    manifest = load_manifest(image)
-    names = [MANIFEST, *sorted(manifest["files"])]  # the manifest first: a reader learns what follows
+    manifest = Image.open(image).manifest
+    names = [MANIFEST, *sorted(manifest.files)]  # the manifest first: a reader learns what follows
     missing = [n for n in names if not (image / n).is_file()]
     if missing:
         raise LsparseError(f"{image}: {', '.join(missing)} missing; the image is damaged (lsparse verify tells more)")
@@ -45,7 +47,7 @@ def pack(image, out, level: int = 3) -> dict:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    unpacked = sum(info["size"] for info in manifest["files"].values()) + (image / MANIFEST).stat().st_size
+    unpacked = sum(entry.size for entry in manifest.files.values()) + (image / MANIFEST).stat().st_size
     return {"image": str(image), "packed": str(out), "image_bytes": unpacked, "packed_bytes": out.stat().st_size}
 
 
@@ -67,11 +69,12 @@ def unpack(packed, out, force: bool = False) -> dict:
                         tar.extract(member, tmp, filter="data")  # refuses absolute paths and ../
         except (zstandard.ZstdError, tarfile.TarError, EOFError) as e:
             raise LsparseError(f"{packed}: not a complete lsparse pack ({e})") from None
-        problems = verify(tmp)
+        unpacked = Image.open(tmp)
+        problems = unpacked.verify()
         if problems:
             raise LsparseError(f"{packed} is damaged: " + "; ".join(problems))
         extra = {str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file()} - {MANIFEST} \
-            - set(load_manifest(tmp)["files"])
+            - set(unpacked.manifest.files)
         if extra:
             raise LsparseError(f"{packed}: files the manifest does not list: {', '.join(sorted(extra))}")
-    return load_manifest(out)
+    return Image.open(out).manifest

@@ -148,6 +148,11 @@ class SlotKernels(MlxKernels):
     lsparse.kernels.metal itself, or a stand-in with the same signatures (ReferenceOps, emulate.Ops)."""
 
     def __init__(self, d, bits, group, ops, name: str):
+        from lsparse.kernels.metal import GROUP
+        if bits != 16 and group != GROUP:
+            raise LsparseError(f"--kernels {name}: lsparse's Metal kernels are built for groups of {GROUP}; this "
+                               f"image's rows have groups of {group} (use --kernels cpu or mlx, or compile "
+                               f"with --group-size {GROUP})")
         super().__init__(d, bits, group)
         self.ops, self.name = ops, name
 
@@ -214,12 +219,16 @@ class ReferenceOps:
     @staticmethod
     def gather_mv(w, slots, x, bits):
         import mlx.core as mx
-        return mx.array(cpu.gather_mv(np.array(w), np.array(slots), np.array(x), bits))
+
+        from lsparse.kernels.metal import GROUP
+        return mx.array(cpu.gather_mv(np.array(w), np.array(slots), np.array(x), bits, GROUP))
 
     @staticmethod
     def gather_down(w, slots, a, bits, d):
         import mlx.core as mx
-        return mx.array(cpu.gather_down(np.array(w), np.array(slots), np.array(a), bits, d))
+
+        from lsparse.kernels.metal import GROUP
+        return mx.array(cpu.gather_down(np.array(w), np.array(slots), np.array(a), bits, d, GROUP))
 
     @staticmethod
     def compact_active(pre, threshold, cats):

@@ -8,27 +8,26 @@ from __future__ import annotations
 import numpy as np
 
 from lsparse.image.quantize import dequantize_rows
-from lsparse.kernels.metal import GROUP
 from lsparse.model.layers import silu
 
 
-def _rows(w: np.ndarray, slots: np.ndarray, d: int, bits: int) -> tuple[np.ndarray, np.ndarray]:
+def _rows(w: np.ndarray, slots: np.ndarray, d: int, bits: int, group: int) -> tuple[np.ndarray, np.ndarray]:
     valid = np.flatnonzero(slots >= 0)
     data = np.ascontiguousarray(w[slots[valid]]).view(np.uint8)
-    return valid, dequantize_rows(data.reshape(len(valid), -1), d, bits, GROUP)
+    return valid, dequantize_rows(data.reshape(len(valid), -1), d, bits, group)
 
 
-def gather_mv(w: np.ndarray, slots: np.ndarray, x: np.ndarray, bits: int) -> np.ndarray:
+def gather_mv(w: np.ndarray, slots: np.ndarray, x: np.ndarray, bits: int, group: int) -> np.ndarray:
     """y[i] = row(slots[i]) . x, 0 where slots[i] is -1 (padding)."""
-    valid, rows = _rows(w, slots, x.shape[0], bits)
+    valid, rows = _rows(w, slots, x.shape[0], bits, group)
     y = np.zeros(len(slots), dtype=np.float32)
     y[valid] = rows @ x
     return y
 
 
-def gather_down(w: np.ndarray, slots: np.ndarray, a: np.ndarray, bits: int, d: int) -> np.ndarray:
+def gather_down(w: np.ndarray, slots: np.ndarray, a: np.ndarray, bits: int, d: int, group: int) -> np.ndarray:
     """sum_i a[i] * row(slots[i]) over the slots that are not padding."""
-    valid, rows = _rows(w, slots, d, bits)
+    valid, rows = _rows(w, slots, d, bits, group)
     return a[valid].astype(np.float32) @ rows
 
 
@@ -58,12 +57,12 @@ def _mlx_parts(rows: np.ndarray, d: int, bits: int, group: int):
     return mx.array(codes), mx.array(scales.astype(np.float32)), mx.array(biases.astype(np.float32))
 
 
-def packed_parts(rows: np.ndarray, d: int, bits: int, group: int = GROUP) -> tuple:
+def packed_parts(rows: np.ndarray, d: int, bits: int, group: int) -> tuple:
     """Packed rows prepared once for packed_mv and packed_vm, for rows that do not change (hot neurons)."""
     return _mlx_parts(rows, d, bits, group)
 
 
-def packed_mv(x: np.ndarray, rows, d: int, bits: int, group: int = GROUP) -> np.ndarray:
+def packed_mv(x: np.ndarray, rows, d: int, bits: int, group: int) -> np.ndarray:
     """x (t, d) @ rows.T for packed 4- or 8-bit rows (n, row bytes) or their packed_parts, without decoding
     them: (t, n)."""
     import mlx.core as mx
@@ -71,7 +70,7 @@ def packed_mv(x: np.ndarray, rows, d: int, bits: int, group: int = GROUP) -> np.
     return np.array(mx.quantized_matmul(mx.array(x), q, s, b, transpose=True, group_size=group, bits=bits))
 
 
-def packed_vm(a: np.ndarray, rows, d: int, bits: int, group: int = GROUP) -> np.ndarray:
+def packed_vm(a: np.ndarray, rows, d: int, bits: int, group: int) -> np.ndarray:
     """a (t, n) @ rows for packed rows (n, row bytes) or their packed_parts, each a down column: (t, d)."""
     import mlx.core as mx
     q, s, b = rows if isinstance(rows, tuple) else _mlx_parts(rows, d, bits, group)

@@ -54,24 +54,44 @@ def read_shared():
     return fn
 
 
+def target(cc: str) -> bytes:
+    """What -march=native means on this CPU: the compiler's predefined macros under FLAGS (__AVX2__, ...). A
+    library built for one CPU must not load on another that lacks its instructions (SIGILL), even when the
+    two share a home directory."""
+    done = subprocess.run([cc, *FLAGS[:-2], "-E", "-dM", "-x", "c", os.devnull], capture_output=True)
+    return done.stdout if done.returncode == 0 else platform.machine().encode()
+
+
+def private(path: Path) -> bool:
+    """Whether only this user can have written `path`: owned by us, not writable by group or others. A
+    library planted where lsparse looks would otherwise run inside it."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
 def _build():
     cc = compiler()
     if cc is None or os.environ.get("LSPARSE_NO_NATIVE"):
         return None
     sources = b"".join(f.read_bytes() for f in (*SOURCES, NATIVE / "half.h"))
-    key = hashlib.sha256(sources + " ".join((cc, *FLAGS, platform.machine())).encode()).hexdigest()
-    path = CACHE / f"native-{key[:16]}.so"
+    key = hashlib.sha256(sources + " ".join((cc, *FLAGS)).encode() + target(cc)).hexdigest()
     try:
+        CACHE.mkdir(mode=0o700, parents=True, exist_ok=True)
+        folder = CACHE if private(CACHE) else Path(tempfile.mkdtemp(prefix="lsparse-native-"))
+        path = folder / f"native-{key[:16]}.so"
         if not path.exists():
-            CACHE.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=CACHE) as tmp:  # built aside, renamed: processes may race here
+            with tempfile.TemporaryDirectory(dir=folder) as tmp:  # built aside, renamed: processes may race here
                 out = Path(tmp) / path.name
                 done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(out)], capture_output=True,
                                       text=True)
                 if done.returncode != 0:
                     return None
+                os.chmod(out, 0o700)
                 os.replace(out, path)
-        return ctypes.CDLL(str(path))
+        return ctypes.CDLL(str(path)) if private(path) else None
     except OSError:  # an unwritable cache or a library that will not load: numpy does the work
         return None
 

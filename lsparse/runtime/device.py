@@ -3,8 +3,8 @@ through a gap when reading it costs less than issuing one more request).
 
 A request costs about 1 / (requests per second) at the reader's concurrency; a byte costs 1 / bandwidth. So
 two runs of bundles are read as one when the gap between them is under (1 / IOPS) x bandwidth. Both are
-measured with direct reads on a file of the device, once, and kept per device and reader width in the user's
-cache folder.
+measured with direct reads on a file of the device, once, and kept per device, reader width and read size in
+the user's cache folder. The measurement reads through the decoder's own reader, into its planned buffer.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lsparse.runtime.reader import ALIGN, DEFAULT_GAP_BYTES, DEFAULT_READERS, FlashReader
+from lsparse.runtime.reader import ALIGN, DEFAULT_GAP_BYTES, FlashReader
 
 MIN_FILE_BYTES = 64 << 20  # smaller files sit in the device's own cache and would flatter it
 SMALL, LARGE = 4096, 1 << 20
@@ -27,37 +27,40 @@ def cache_path() -> Path:
     return Path(base) / "lsparse" / "devices.json"
 
 
-def measure(path, workers: int = DEFAULT_READERS, seconds: float = 0.5) -> dict:
-    """Requests per second of 4 KiB direct reads and bandwidth of 1 MiB ones at `workers` in flight, on
-    random offsets of `path`, and the gap rule they give."""
-    reader = FlashReader(path, workers=workers, direct=True)
-    try:
-        if not reader.direct:
-            raise OSError("direct I/O is refused on this file system")
-        rng = np.random.default_rng(0)
+def large_reads(reader: FlashReader) -> int:
+    """The size of the bandwidth probe's reads: 1 MiB, or less where the buffer cannot hold one per thread."""
+    return max(16 * ALIGN, min(LARGE, len(reader.buffer) // reader.workers // ALIGN * ALIGN))
 
-        def rate(size):
-            count, done, start = 0, 0, time.perf_counter()
-            while time.perf_counter() - start < seconds:
-                offsets = rng.integers(0, (reader.size - size) // ALIGN, 32 * workers) * ALIGN
-                _, transferred, _ = reader.read([(int(o), size) for o in offsets])
-                count, done = count + len(offsets), done + transferred
-            elapsed = time.perf_counter() - start
-            return count / elapsed, done / elapsed
 
-        iops, _ = rate(SMALL)
-        _, bandwidth = rate(LARGE)
-    finally:
-        reader.close()
+def measure(reader: FlashReader, seconds: float = 0.5) -> dict:
+    """Requests per second of 4 KiB direct reads and bandwidth of large ones, with the reader's threads in
+    flight, on random offsets of its file, and the gap rule they give."""
+    if not reader.direct:
+        raise OSError("direct I/O is refused on this file system")
+    rng = np.random.default_rng(0)
+
+    def rate(size):
+        per_call = max(1, min(32 * reader.workers, len(reader.buffer) // size))
+        count, done, start = 0, 0, time.perf_counter()
+        while time.perf_counter() - start < seconds:
+            offsets = rng.integers(0, (reader.size - size) // ALIGN, per_call) * ALIGN
+            transferred, _ = reader.read_all(offsets, np.full(per_call, size))
+            count, done = count + per_call, done + transferred
+        elapsed = time.perf_counter() - start
+        return count / elapsed, done / elapsed
+
+    iops, _ = rate(SMALL)
+    _, bandwidth = rate(large_reads(reader))
     return {"requests_per_second": iops, "bandwidth_bytes_per_second": bandwidth,
-            "gap_bytes": int(bandwidth / iops), "workers": workers, "measured_on": str(path),
+            "gap_bytes": int(bandwidth / iops), "workers": reader.workers, "read_bytes": large_reads(reader),
             "date": time.strftime("%Y-%m-%d")}
 
 
-def gap_for(path, workers: int = DEFAULT_READERS) -> tuple[int, str]:
-    """(gap bytes, how it was found) for reads of `path`: this device's cached measurement, a new one when
-    the file is large enough to measure on, else the default."""
-    device = f"{os.stat(path).st_dev}:{workers}"  # the request rate depends on how many are in flight
+def gap_for(reader: FlashReader) -> tuple[int, str]:
+    """(gap bytes, how it was found) for reads through `reader`: this device's cached measurement, a new one
+    when the file is large enough to measure on, else the default."""
+    st = os.fstat(reader.fd)
+    device = f"{st.st_dev}:{reader.workers}:{large_reads(reader)}"  # the rate depends on what is in flight
     store = cache_path()
     try:
         known = json.loads(store.read_text())
@@ -65,10 +68,10 @@ def gap_for(path, workers: int = DEFAULT_READERS) -> tuple[int, str]:
         known = {}
     if device in known:
         return int(known[device]["gap_bytes"]), "measured"
-    if os.stat(path).st_size < MIN_FILE_BYTES:
+    if st.st_size < MIN_FILE_BYTES or not reader.direct:
         return DEFAULT_GAP_BYTES, "default"
     try:
-        known[device] = measure(path, workers)
+        known[device] = measure(reader)
     except OSError:
         return DEFAULT_GAP_BYTES, "default"
     try:

@@ -1,35 +1,32 @@
-"""The generation loop and its statistics, in the manner of mlx-lm's generate."""
+"""The generation loop, in the manner of mlx-lm's stream_generate: one response per token, with its text, its
+log-probabilities and what it cost."""
 
 from __future__ import annotations
 
 import resource
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Callable, Iterator
+
+import numpy as np
 
 from lsparse.errors import LsparseError
 from lsparse.model.backend import evaluate, to_numpy
 
 
 @dataclass
-class GenerationStats:
-    prompt_tokens: int = 0
-    prompt_seconds: float = 0.0
-    generated_tokens: int = 0
-    generation_seconds: float = 0.0
-    peak_memory_bytes: int = 0
-
-    @property
-    def prompt_tps(self) -> float:
-        return self.prompt_tokens / self.prompt_seconds if self.prompt_seconds else 0.0
-
-    @property
-    def generation_tps(self) -> float:
-        return self.generated_tokens / self.generation_seconds if self.generation_seconds else 0.0
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "prompt_tps": self.prompt_tps, "generation_tps": self.generation_tps}
+class GenerationResponse:
+    text: str                  # the new text this token completes (may be empty: a split character)
+    token: int
+    logprobs: np.ndarray       # (vocab,) log-probabilities the token was drawn from
+    cost: object | None        # the token's TokenCost (images); None for a dense checkpoint
+    prompt_tokens: int
+    prompt_tps: float
+    generation_tokens: int
+    generation_tps: float
+    peak_memory: int           # bytes: this process's peak resident memory so far
+    finish_reason: str | None  # "stop" (an end token), "length" (max_tokens), "context" (the context is full)
 
 
 def peak_rss_bytes() -> int:
@@ -46,53 +43,77 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
-def generate(model, prompt: list[int], max_tokens: int, sample: Callable, stop_ids: set[int],
-             stats: GenerationStats) -> Iterator[int]:
-    """Yield generated token ids; `stats` is filled in as they come. Stops at a stop token (not yielded),
-    after max_tokens, or when the context is full."""
+def _logprobs(logits) -> np.ndarray:
+    z = to_numpy(logits).astype(np.float64)
+    z = z - z.max()
+    return z - np.log(np.exp(z).sum())
+
+
+def stream_generate(model, tokenizer, prompt: list[int], max_tokens: int, sample: Callable,
+                    stop_ids: set[int] | None = None) -> Iterator[GenerationResponse]:
+    """Yield one response per generated token. Ends at an end token (yielded, with empty text, its
+    finish_reason "stop"), after max_tokens, or when the context is full."""
     context = model.context_length
     if not prompt:
         raise LsparseError("the prompt is empty")
     if len(prompt) >= context:
         raise LsparseError(f"the prompt is {len(prompt)} tokens; the model's context is {context} tokens")
-    max_tokens = min(max_tokens, context - len(prompt))
-    cache = model.make_cache(len(prompt) + max_tokens)
-    stats.prompt_tokens = len(prompt)
-
+    stop_ids = tokenizer.eos_ids if stop_ids is None else stop_ids
+    limit = min(max_tokens, context - len(prompt))
+    cache = model.make_cache(len(prompt) + limit)
+    costs = getattr(model, "costs", None)
+    detokenizer = StreamingDetokenizer(tokenizer)
     start = time.perf_counter()
     logits = model(prompt, cache)[-1]
     evaluate(model.xp, logits)
-    stats.prompt_seconds = time.perf_counter() - start
-
+    prompt_tps = len(prompt) / (time.perf_counter() - start)
     start = time.perf_counter()
-    for _ in range(max_tokens):
-        token = sample(to_numpy(logits))
-        if token in stop_ids:
-            break
-        stats.generated_tokens += 1
-        stats.generation_seconds = time.perf_counter() - start
-        yield token
-        if stats.generated_tokens == max_tokens:
-            break
+    for n in range(1, limit + 1):
+        logprobs = _logprobs(logits)
+        token = sample(logprobs)
+        stop = token in stop_ids
+        reason = "stop" if stop else "length" if n == max_tokens else "context" if n == limit else None
+        text = "" if stop else detokenizer.add(token)
+        if reason is not None and not stop:
+            text += detokenizer.flush()
+        yield GenerationResponse(text, token, logprobs, costs.now if costs else None, len(prompt), prompt_tps, n,
+                                 n / (time.perf_counter() - start), peak_rss_bytes(), reason)
+        if reason is not None:
+            return
         logits = model([token], cache)[-1]
         evaluate(model.xp, logits)
-    stats.generation_seconds = time.perf_counter() - start
-    stats.peak_memory_bytes = peak_rss_bytes()
+
+
+def generate(model, tokenizer, prompt: list[int], max_tokens: int, sample: Callable,
+             stop_ids: set[int] | None = None) -> list[int]:
+    """The generated tokens, the end token left out."""
+    return [r.token for r in stream_generate(model, tokenizer, prompt, max_tokens, sample, stop_ids)
+            if r.finish_reason != "stop"]
 
 
 class StreamingDetokenizer:
-    """Text for a growing list of tokens, released only once it cannot change (no split UTF-8 characters)."""
+    """Text for a growing list of tokens in constant time per token: each step decodes only the tokens since
+    the last text released and one before them (whose text is already out), so that a tokenizer that drops a
+    leading space at the start of a decode still gives the space here. Text ending in a split UTF-8 character
+    waits for the next token."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.tokens, self.emitted = tokenizer, [], 0
+        self.tokenizer, self.tokens = tokenizer, []
+        self.prefix = 0  # tokens[prefix:released] decode to text already released
+        self.released = 0
 
     def add(self, token: int) -> str:
         self.tokens.append(token)
-        text = self.tokenizer.decode(self.tokens)
-        if text.endswith("\ufffd"):
-            return ""
-        new, self.emitted = text[self.emitted:], len(text)
-        return new
+        return self._release(final=False)
 
-    def text(self) -> str:
-        return self.tokenizer.decode(self.tokens)
+    def flush(self) -> str:
+        """What is left, split characters included (the end of a generation)."""
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        before = self.tokenizer.decode(self.tokens[self.prefix:self.released])
+        text = self.tokenizer.decode(self.tokens[self.prefix:])
+        if len(text) <= len(before) or (text.endswith("\ufffd") and not final):
+            return ""
+        self.prefix, self.released = self.released, len(self.tokens)
+        return text[len(before):]

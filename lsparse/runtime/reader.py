@@ -1,6 +1,6 @@
-"""Reading neuron bundles from flash: direct I/O where the OS allows it, page-aligned buffers, a pool of
-threads taking reads in turn (in one C call each where lsparse/kernels/native.py can build it),
-and neighbouring bundles coalesced into one request."""
+"""Reading spans of a file from flash: direct I/O where the OS allows it, whole aligned blocks into one buffer of
+a fixed size (the memory plan's), a pool of threads taking reads in turn (in one C call each where
+lsparse/kernels/native.py can build it)."""
 
 from __future__ import annotations
 
@@ -22,20 +22,9 @@ DEFAULT_READERS = 16
 DEFAULT_GAP_BYTES = 16384  # ~12 us per request at 16 in flight x ~1.3 GB/s, this machine's measured SSD
 
 
-def coalesce(positions: np.ndarray, stride: int, base: int, gap_bytes: int) -> tuple[np.ndarray, ...]:
-    """Runs of ascending bundle positions, each read as one request when the gap between neighbours costs
-    less than a new request. Returns each run's file offset and length, and the run of each position."""
-    p = np.asarray(positions, dtype=np.int64)
-    assert np.all(p[1:] >= p[:-1]), "positions must be ascending"
-    first = np.ones(len(p), dtype=bool)
-    first[1:] = np.diff(p) > gap_bytes // stride + 1
-    starts = np.flatnonzero(first)
-    ends = np.append(starts[1:], len(p))[: len(starts)] - 1
-    return base + p[starts] * stride, (p[ends] - p[starts] + 1) * stride, np.cumsum(first) - 1
-
-
 class FlashReader:
-    def __init__(self, path, workers: int = DEFAULT_READERS, direct: bool = True, native: bool = True):
+    def __init__(self, path, workers: int = DEFAULT_READERS, direct: bool = True, native: bool = True,
+                 buffer_bytes: int = 1 << 20):
         self.direct = False
         if direct and hasattr(os, "O_DIRECT"):
             try:
@@ -54,7 +43,7 @@ class FlashReader:
         self.size = os.fstat(self.fd).st_size
         self.workers = workers
         self.pool = ThreadPoolExecutor(workers) if workers > 1 else None
-        self.buffer = mmap.mmap(-1, 1 << 20)  # one call's reads, each at its own place
+        self.buffer = mmap.mmap(-1, -(-buffer_bytes // ALIGN) * ALIGN)  # one call's reads, each at its own place
         self.native = read_shared() if native else None
 
     def close(self) -> None:
@@ -83,26 +72,53 @@ class FlashReader:
         if failed >= 0:
             raise OSError(f"short read at byte {work[0, failed]}: the neuron file is truncated")
 
-    def read(self, spans: list[tuple[int, int]]) -> tuple[list[np.ndarray], int, float]:
-        """The bytes of each (offset, length) span, as views valid until the next call; also the bytes
-        transferred (whole aligned blocks) and the seconds taken."""
-        offsets = np.array([o for o, _ in spans], dtype=np.int64)
-        lengths = np.array([n for _, n in spans], dtype=np.int64)
-        buffer, at, transferred, seconds = self.read_into(offsets, lengths)
-        return [buffer[p:p + n] for p, n in zip(at.tolist(), lengths.tolist(), strict=True)], transferred, seconds
-
-    def read_into(self, offsets: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, float]:
-        """The spans at these file offsets, of these lengths, read into one buffer (valid until the next call):
-        the buffer, where each span starts in it, the bytes transferred (whole aligned blocks) and the
-        seconds taken."""
-        start_time = time.perf_counter()
-        offsets, lengths = np.asarray(offsets, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+    def aligned(self, offsets: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(block starts, block bytes): the whole aligned blocks each span is read as."""
         starts = offsets // ALIGN * ALIGN
         ends = np.minimum(-(-(offsets + lengths) // ALIGN) * ALIGN, -(-self.size // ALIGN) * ALIGN)
-        sizes = ends - starts
+        return starts, ends - starts
+
+    def batches(self, sizes: np.ndarray, cuts: np.ndarray | None = None) -> list[tuple[int, int]]:
+        """[start, stop) ranges of spans whose aligned `sizes` fit the buffer together, cut only where `cuts`
+        is True (None: anywhere). A span larger than the buffer is a caller's error."""
+        if int(sizes.sum()) <= len(self.buffer):  # the usual case: one batch
+            return [(0, len(sizes))] if len(sizes) else []
+        if int(sizes.max()) > len(self.buffer):
+            raise ValueError(f"a span of {int(sizes.max())} bytes does not fit a buffer of {len(self.buffer)}")
+        allowed = np.flatnonzero(cuts if cuts is not None else np.ones(len(sizes), bool))
+        ends = np.cumsum(sizes)
+        out, start = [], 0
+        while start < len(sizes):
+            base = ends[start - 1] if start else 0
+            # the furthest allowed cut whose spans since `start` fit
+            fit = int(np.searchsorted(ends, base + len(self.buffer), side="right"))
+            stop = allowed[np.searchsorted(allowed, fit, side="right") - 1] if fit < len(sizes) else len(sizes)
+            if stop <= start:
+                raise ValueError("the spans between two allowed cuts do not fit the buffer")
+            out.append((start, int(stop)))
+            start = int(stop)
+        return out
+
+    def read_all(self, offsets: np.ndarray, lengths: np.ndarray) -> tuple[int, float]:
+        """Read these spans in batches that fit the buffer, for their time alone: (bytes transferred, seconds)."""
+        offsets, lengths = np.asarray(offsets, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        _, sizes = self.aligned(offsets, lengths)
+        transferred, seconds = 0, 0.0
+        for a, b in self.batches(sizes):
+            _, _, n, s = self.read_into(offsets[a:b], lengths[a:b])
+            transferred, seconds = transferred + n, seconds + s
+        return transferred, seconds
+
+    def read_into(self, offsets: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray, int, float]:
+        """The spans at these file offsets, of these lengths, read into the buffer (valid until the next call):
+        the buffer, where each span starts in it, the bytes transferred (whole aligned blocks) and the
+        seconds taken. They must fit the buffer (batches() cuts a list that does not)."""
+        start_time = time.perf_counter()
+        offsets, lengths = np.asarray(offsets, dtype=np.int64), np.asarray(lengths, dtype=np.int64)
+        starts, sizes = self.aligned(offsets, lengths)
         at = np.cumsum(sizes) - sizes
         if int(sizes.sum()) > len(self.buffer):
-            self.buffer = mmap.mmap(-1, -(-int(sizes.sum()) // ALIGN) * ALIGN)
+            raise ValueError(f"{int(sizes.sum())} bytes of reads do not fit a buffer of {len(self.buffer)}")
         buffer = np.frombuffer(self.buffer, dtype=np.uint8)
         work = np.stack([starts, sizes, at, offsets - starts + lengths])  # C-contiguous rows, one per field
         n_workers = max(1, min(self.workers, len(offsets)))

@@ -4,17 +4,11 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
-
-import numpy as np
 
 from lsparse.errors import LsparseError
-from lsparse.model import load_model
-from lsparse.model.backend import default_backend
-from lsparse.runtime.generate import GenerationStats, StreamingDetokenizer, generate
-from lsparse.runtime.reader import DEFAULT_READERS
-from lsparse.runtime.sampling import make_sampler
-from lsparse.source import resolve
+from lsparse.image.image import Image
+from lsparse.runtime.generate import stream_generate
+from lsparse.runtime.options import DecodeOptions
 
 
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
@@ -25,76 +19,52 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
     return tokenizer.encode(prompt)
 
 
-def is_image(spec: str) -> bool:
-    return (Path(spec) / "manifest.json").exists()
+def _load_checkpoint(spec: str, revision, tokenizer_file, backend):
+    from lsparse.model import load_model
+    from lsparse.model.backend import default_backend
+    from lsparse.source import resolve
+    checkpoint = resolve(spec, revision, tokenizer_file)
+    if checkpoint.tokenizer is None:
+        raise LsparseError(f"{checkpoint.location}: no tokenizer found (for a llama2.c file, pass --tokenizer)")
+    backend = backend or default_backend()
+    return load_model(checkpoint, backend), checkpoint.tokenizer, checkpoint.location, backend
 
 
-def flash_report(model) -> dict:
-    """Per decoded token, after the prompt: what the FFNs read and where the time went."""
-    steps = model.costs.steps[1:] or model.costs.steps
-    if not steps:
-        return {}
-
-    def mean(key):
-        return float(np.mean([getattr(s, key) for s in steps]))
-
-    reads = sum(s.requests for s in steps)
-    lookups = sum(s.lookups for s in steps)
-    dense = model.dense_ffn_bytes()
-    return {"bytes_read_per_token": mean("bytes_read"), "bytes_needed_per_token": mean("bytes_needed"),
-            "dense_ffn_bytes": dense, "share_of_dense_ffn": mean("bytes_read") / dense,
-            "reads_per_token": mean("requests"),
-            "mean_read_bytes": sum(s.bytes_read for s in steps) / reads if reads else 0.0,
-            "cache_hit_rate": sum(s.hits for s in steps) / lookups if lookups else 1.0,
-            "io_ms_per_token": 1e3 * mean("io_s"), "read_ms_per_token": 1e3 * mean("read_s"),
-            "mem_ms_per_token": 1e3 * mean("mem_s"),
-            "compute_ms_per_token": 1e3 * mean("compute_s"), "direct_io": model.reader.direct,
-            "gap_bytes": model.gap["bytes"], "gap_rule": model.gap["rule"],
-            "lookahead_used_per_token": mean("lookahead_used"), "lookahead_wasted_per_token": mean("lookahead_wasted")}
-
-
-def run(spec: str, prompt: str, max_tokens: int, *, mode: str | None = None, window: int = 5,
-        threshold_shift: float = 0.0, temp: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-        chat: bool = True, revision: str | None = None, tokenizer: str | None = None, backend: str | None = None,
-        as_json: bool = False, direct: bool = True, ram_budget: str | None = None, lookahead: bool = False,
-        kernels: str = "auto", readers: int = DEFAULT_READERS, out=sys.stdout) -> dict:
-    """`mode` None: dense decoding of a checkpoint; exact, predicted, dense or hybrid: decoding from an image."""
-    sample = make_sampler(temp, top_p, seed)
-    if mode is None:
-        checkpoint = resolve(spec, revision, tokenizer)
-        if checkpoint.tokenizer is None:
-            raise LsparseError(f"{checkpoint.location}: no tokenizer found (for a llama2.c file, pass --tokenizer)")
-        backend = backend or default_backend()
-        model, tok, where = load_model(checkpoint, backend), checkpoint.tokenizer, checkpoint.location
+def run(spec: str, prompt: str, max_tokens: int, options: DecodeOptions | None, sample, *, chat: bool = True,
+        revision: str | None = None, tokenizer: str | None = None, backend: str | None = None,
+        as_json: bool = False, out=sys.stdout) -> dict:
+    """`options` None: dense decoding of a checkpoint (every weight in RAM); else decoding from an image."""
+    if options is None:
+        model, tok, where, backend = _load_checkpoint(spec, revision, tokenizer, backend)
         ids = encode_prompt(tok, prompt, chat)
     else:
-        from lsparse.image.format import load_manifest
-        from lsparse.runtime.budget import parse_bytes
-        from lsparse.runtime.image_model import load_image
-        from lsparse.source.tokenizer import from_folder
-        tok = from_folder(Path(spec), load_manifest(spec)["config"])
-        ids = encode_prompt(tok, prompt, chat)
-        model, _ = load_image(spec, mode, window, threshold_shift, direct=direct,
-                              ram_budget=parse_bytes(ram_budget) if ram_budget else None,
-                              tokens=len(ids) + max_tokens, lookahead=lookahead, kernels=kernels,
-                              workers=readers)
+        from lsparse.runtime.load import load_image
+        image = Image.open(spec)
+        ids = encode_prompt(image.tokenizer(), prompt, chat)
+        model, tok = load_image(image, options.but(context=len(ids) + max_tokens))
         backend, where = model.kernels.name, spec
-    stats = GenerationStats()
-    detok = StreamingDetokenizer(tok)
-    for token in generate(model, ids, max_tokens, sample, tok.eos_ids, stats):
-        piece = detok.add(token)
-        if not as_json and piece:
-            out.write(piece)
-            out.flush()
-    result = {"model": where, "mode": mode or "dense-checkpoint", "backend": backend, "prompt": prompt,
-              "text": detok.text(), "tokens": detok.tokens, **stats.as_dict()}
-    if mode is not None:
-        result["memory_plan"] = {k: v for k, v in model.memory_plan.items() if k != "cache_slots"}
-        result["ram_budget"] = parse_bytes(ram_budget) if ram_budget else None
-    if mode in ("exact", "predicted", "hybrid"):
-        result["flash"] = flash_report(model)
-    if mode is not None:
-        model.close()
+    text, tokens, last = [], [], None
+    try:
+        for response in stream_generate(model, tok, ids, max_tokens, sample):
+            text.append(response.text)
+            tokens += [response.token] if response.finish_reason != "stop" else []
+            last = response
+            if not as_json and response.text:
+                out.write(response.text)
+                out.flush()
+    finally:
+        if options is not None:
+            model.close()
+    result = {"model": where, "mode": options.mode if options else "dense-checkpoint", "backend": backend,
+              "prompt": prompt, "text": "".join(text), "tokens": tokens, "prompt_tokens": len(ids),
+              "prompt_tps": last.prompt_tps, "generated_tokens": last.generation_tokens,
+              "generation_tps": last.generation_tps, "peak_memory_bytes": last.peak_memory,
+              "finish_reason": last.finish_reason}
+    if options is not None:
+        result["memory_plan"] = model.memory_plan.report()
+        result["ram_budget"] = options.ram_budget
+        if options.mode != "dense":
+            result["flash"] = model.flash_report()
     if as_json:
         out.write(json.dumps(result) + "\n")
     else:

@@ -1,4 +1,5 @@
-"""The sparse FFN's Metal kernels (sources in metal/), loaded into `mx.fast.metal_kernel`, and the exact
+"""The sparse FFN's Metal kernels (their sources beside this file, package data read with importlib.resources),
+loaded into `mx.fast.metal_kernel`, and the exact
 Metal source MLX generates from them, rendered here so that it can be checked on machines without Metal.
 
 Each kernel reads rows of the neuron cache in the image's row format: MLX's affine 4- or 8-bit quantization
@@ -10,11 +11,11 @@ that nothing recompiles from token to token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+from importlib.resources import files
 
 from lsparse.errors import LsparseError
 
-METAL_DIR = Path(__file__).resolve().parents[2] / "metal"
+METAL_DIR = files(__name__)  # the sources, as installed with the package (a wheel carries them)
 HEADER = "sparse_ffn.h"
 BITS = (4, 8, 16)
 GROUP = 64
@@ -60,12 +61,11 @@ def template_args(name: str, value: int) -> list[tuple[str, int]]:
 
 
 def read_source(name: str) -> tuple[str, str]:
-    """(header, body) of a kernel, as committed in metal/."""
+    """(header, body) of a kernel, as installed in lsparse/kernels/metal/."""
     try:
         return (METAL_DIR / HEADER).read_text(), (METAL_DIR / f"{name}.metal").read_text()
     except OSError as e:
-        raise LsparseError(f"the Metal sources are missing ({e}); lsparse runs its kernels from a source "
-                           "checkout (metal/ beside lsparse/)") from None
+        raise LsparseError(f"the Metal sources are missing ({e}); reinstall lsparse") from None
 
 
 def function_name(name: str, value: int) -> str:

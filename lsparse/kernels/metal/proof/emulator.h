@@ -25,7 +25,7 @@
 #include <thread>
 #include <vector>
 
-#include "../../lsparse/kernels/native/half.h"
+#include "../../native/half.h"
 
 // Metal's half: stored as IEEE half, read as float.
 struct half {

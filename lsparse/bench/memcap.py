@@ -1,6 +1,6 @@
 """Run a command under a hard memory cap (cgroup v1 memory controller, as root) and report its peak.
 
-    python scripts/memcap.py 300M -- lsparse run out/image -p "Once upon a time"
+    python -m lsparse.bench.memcap 300M -- lsparse run out/image -p "Once upon a time"
 
 The page cache the command fills counts against the cap, as the kernel charges it. Prints one JSON line
 on stderr: the cap, the peak usage (memory.max_usage_in_bytes), whether the cap was hit (failcnt), the exit
@@ -11,19 +11,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import uuid
 from pathlib import Path
 
+from lsparse.errors import LsparseError
+from lsparse.sizes import parse_size
+
 ROOT = Path("/sys/fs/cgroup/memory")
 
 
-def parse_size(text: str) -> int:
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)B?", text.strip().upper())
-    if not m:
-        raise SystemExit(f"memcap: cannot read the size {text!r} (examples: 300M, 2G)")
-    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2) or " "))
+def available() -> bool:
+    """Whether a hard memory cap can be set here: root, and the cgroup v1 memory controller."""
+    return os.geteuid() == 0 and ROOT.is_dir()
 
 
 def own_memory_cgroup() -> Path:
@@ -37,7 +37,10 @@ def own_memory_cgroup() -> Path:
 def main() -> None:
     if len(sys.argv) < 4 or sys.argv[2] != "--":
         raise SystemExit(__doc__)
-    cap = parse_size(sys.argv[1])
+    try:
+        cap = parse_size(sys.argv[1])
+    except LsparseError as e:
+        raise SystemExit(f"memcap: {e}") from None
     command = sys.argv[3:]
     group = own_memory_cgroup() / f"lsparse-memcap-{uuid.uuid4().hex[:8]}"
     try:

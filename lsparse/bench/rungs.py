@@ -1,0 +1,107 @@
+"""The ladder's rungs: LLM in a Flash's configurations, each adding one idea to the one before, and the image
+variants they run on (compiled from the image's recorded source and options with one change)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from lsparse.errors import LsparseError
+from lsparse.image.image import Image, is_image
+from lsparse.runtime.options import DecodeOptions
+
+# Image variants as changes to the compile options recorded in the image; None: the image itself.
+VARIANTS = {
+    "fp16-natural": {"bits": 16, "hot_fraction": 0.0, "layout": "natural"},
+    "fp16-layout": {"bits": 16, "hot_fraction": 0.0, "layout": "coactivation"},
+    "fp16-hot": {"bits": 16, "layout": "coactivation"},
+    "4bit-hot": {"bits": 4, "layout": "coactivation"},
+}
+
+
+@dataclass
+class Rung:
+    name: str
+    variant: str
+    mode: str               # naive, hybrid, predicted, exact, dense
+    window: int = 5
+    bundled: bool = True
+    gap_bytes: int | None = None  # None: the reader's default gap rule
+    budget: int | None = None     # bytes; None: unlimited
+    lookahead: bool = False
+    kernels: str = "auto"         # the FFN backend (lsparse/kernels/backends.py); mlx: cache kept 4-bit
+    note: str = ""
+
+    def decode_options(self, readers: int, context: int) -> DecodeOptions:
+        """The rung as the options `lsparse run` takes (naive computes as dense does; only its reads differ)."""
+        return DecodeOptions(mode="dense" if self.mode == "naive" else self.mode, window=self.window,
+                             bundled=self.bundled, gap_bytes=self.gap_bytes, ram_budget=self.budget,
+                             lookahead=self.lookahead, kernels=self.kernels, readers=readers, context=context)
+
+
+LADDER = [
+    Rung("naive", "fp16-natural", "naive", note="every byte of the image read each token; computed from RAM"),
+    Rung("hybrid", "fp16-natural", "hybrid", note="all but the FFN resident; the whole FFN read each token"),
+    Rung("+predictor", "fp16-natural", "predicted", window=1, bundled=False, gap_bytes=0,
+         note="only predicted neurons read; rows read apart, no reuse"),
+    Rung("+window", "fp16-natural", "predicted", window=5, bundled=False, gap_bytes=0,
+         note="neurons of the last 5 tokens kept"),
+    Rung("+bundles+layout", "fp16-layout", "predicted", note="row-column bundles, co-activation order, gap rule"),
+    Rung("+hot", "fp16-hot", "predicted", note="hot neurons pinned in RAM"),
+    Rung("+4-bit", "4bit-hot", "predicted", note="4-bit bundles: the full system"),
+    Rung("+packed cache", "4bit-hot", "predicted", kernels="mlx",
+         note="cached neurons kept 4-bit, multiplied by MLX's quantized kernel"),
+    Rung("+lookahead", "4bit-hot", "predicted", lookahead=True, note="the next layer read while this one runs"),
+    Rung("exact 4-bit", "4bit-hot", "exact", note="gate resident: lossless against dense 4-bit"),
+    Rung("dense 4-bit", "4bit-hot", "dense", note="every weight in RAM"),
+    Rung("dense fp16", "fp16-natural", "dense", note="every weight in RAM: the reference"),
+]
+
+
+SYNTHETIC_RUNGS = ("hybrid", "+predictor", "+window", "+bundles+layout", "+hot", "+4-bit", "+packed cache")
+
+
+def synthetic_base(name: str, folder: Path, progress) -> Path:
+    """The full-system variant of a synthetic model, written once into its variants folder."""
+    from lsparse.bench.synthetic import write_synthetic
+    out = folder / "4bit-hot"
+    if not is_image(out) or Image.open(out).manifest.options["layout"] != "coactivation":
+        progress(f"writing synthetic:{name} into {out}")
+        write_synthetic(name, out, bits=4, shared=folder / ".neurons", progress=progress)
+    return out
+
+
+def variant_images(image: Path, needed: set[str], folder: Path, progress=print) -> dict[str, Path]:
+    """The image for each variant, compiled from the image's source when its options differ."""
+    from lsparse.image.compile import CompileOptions, compile_image
+    meta = Image.open(image).manifest
+    recorded = meta.options
+    if not recorded:
+        raise LsparseError(f"{image} does not record its compile options: compile it again to bench it")
+    base = {**recorded} if meta.is_synthetic else {**recorded, "calib": Path(meta.calibration["text"])}
+    if base.get("predictor") == "exact":
+        base["predictor"] = "lowrank"  # the predicted rungs need a predictor
+    images = {}
+    for name in sorted(needed):
+        options = {**base, **VARIANTS[name]}
+        if all(recorded.get(k) == v for k, v in options.items() if k != "calib"):
+            images[name] = image
+            continue
+        out = folder / name
+        if is_image(out) and _same_variant(Image.open(out).manifest, meta.source, {k: options[k] for k in recorded}):
+            images[name] = out
+            continue
+        if meta.is_synthetic:
+            from lsparse.bench.synthetic import write_synthetic
+            progress(f"writing the {name} variant of {meta.source} into {out}")
+            write_synthetic(meta.synthetic["name"], out, shared=folder / ".neurons",
+                            progress=progress, **{k: options[k] for k in recorded})
+        else:
+            progress(f"compiling the {name} variant of {meta.source} into {out}")
+            compile_image(meta.source, str(out), CompileOptions(force=True, **options))
+        images[name] = out
+    return images
+
+
+def _same_variant(manifest, source: str, options: dict) -> bool:
+    return manifest.source == source and manifest.options == options

@@ -1,0 +1,73 @@
+"""The lsparse command line: parses options and calls the stages (one module per group of commands); `main`
+turns every error into one line and an exit status (`--debug`: the traceback)."""
+
+from __future__ import annotations
+
+import sys
+
+INTERRUPTED = 130
+USAGE = 2
+
+
+def _error_kinds() -> dict:
+    """The exception classes main() answers: typer 0.29 and later bundle their own click, whose classes are
+    not click's, so both are caught."""
+    import typer
+
+    from lsparse.errors import LsparseError
+    kinds = {"usage": [typer.exceptions.TyperException], "exit": [typer.Exit], "abort": [typer.Abort],
+             "lsparse": [LsparseError]}
+    try:
+        import click
+        kinds["usage"].append(click.exceptions.ClickException)
+        kinds["exit"].append(click.exceptions.Exit)
+        kinds["abort"].append(click.exceptions.Abort)
+    except ImportError:
+        pass
+    return {k: tuple(v) for k, v in kinds.items()}
+
+
+def _exit_for(e: Exception, kinds: dict, debug: bool):
+    if isinstance(e, kinds["exit"]):
+        sys.exit(e.exit_code)
+    if debug:
+        raise e
+    if isinstance(e, kinds["abort"]):
+        print("interrupted", file=sys.stderr)
+        sys.exit(INTERRUPTED)
+    if type(e).__name__ == "NoArgsIsHelpError":  # bare `lsparse`: the help, as click shows it
+        e.show()
+        sys.exit(USAGE)
+    if isinstance(e, kinds["usage"]):
+        print(f"error: {e.format_message()} (see lsparse --help, or lsparse COMMAND --help)", file=sys.stderr)
+        sys.exit(USAGE)
+    if isinstance(e, kinds["lsparse"]):
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
+    raise e
+
+
+def main():
+    debug, kinds = "--debug" in sys.argv[1:], None
+    try:
+        kinds = _error_kinds()
+        from lsparse.cli import bench, image, run  # noqa: F401  (each registers its commands)
+        from lsparse.cli.app import app
+        # typer answers Ctrl-C inside a command by returning 130 rather than raising, when not standalone
+        if app(standalone_mode=False) == INTERRUPTED:
+            raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("interrupted", file=sys.stderr)
+        sys.exit(INTERRUPTED)
+    except BrokenPipeError:
+        sys.exit(1)
+    except Exception as e:
+        if kinds is None:
+            raise
+        _exit_for(e, kinds, debug)
+
+
+if __name__ == "__main__":
+    main()

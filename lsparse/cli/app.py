@@ -1,0 +1,23 @@
+"""The typer application every command registers on, and the options before the command."""
+
+from __future__ import annotations
+
+import typer
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  help="Run language models larger than RAM by paging sparse FFN neurons from flash.")
+
+
+def _version(value: bool):
+    if value:
+        from lsparse import __version__
+        typer.echo(f"lsparse {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main_options(
+    debug: bool = typer.Option(False, "--debug", help="Show the full traceback of an error."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+):
+    """Run language models larger than RAM by paging sparse FFN neurons from flash."""

@@ -1,0 +1,71 @@
+"""`lsparse run`."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import typer
+
+from lsparse.cli.app import app
+from lsparse.errors import LsparseError
+from lsparse.runtime.options import DEFAULT_READERS
+
+
+@app.command()
+def run(
+    model: str = typer.Argument(..., help="A flash image, or (dense) any checkpoint: builtin:NAME, a Hugging Face "
+                                          "folder or repo id, a GGUF or llama2.c file."),
+    prompt: str = typer.Option("Once upon a time", "--prompt", "-p", help="Prompt text."),
+    max_tokens: int = typer.Option(100, "--max-tokens", "-m", min=1, help="Most tokens to generate."),
+    dense: bool = typer.Option(False, "--dense", help="Every weight in RAM (the baseline)."),
+    mode: Optional[str] = typer.Option(None, "--mode", help="For an image: exact (the gate resident, lossless), "
+                                                            "predicted, dense, or hybrid (the whole FFN read "
+                                                            "every token: a baseline). Default: exact."),
+    window: int = typer.Option(5, "--window", min=1, help="Keep the neurons of the last k tokens in RAM."),
+    threshold: float = typer.Option(0.0, "--threshold",
+                                    help="Shift of the predictor's threshold (negative: load more neurons)."),
+    temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the smallest set with this mass."),
+    seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
+    ignore_chat_template: bool = typer.Option(False, "--ignore-chat-template",
+                                              help="Use the prompt as is, even if the tokenizer has a template."),
+    revision: Optional[str] = typer.Option(None, "--revision", help="Hub revision (branch, tag or commit)."),
+    tokenizer: Optional[str] = typer.Option(None, "--tokenizer", help="Tokenizer file for a llama2.c checkpoint."),
+    backend: Optional[str] = typer.Option(None, "--backend",
+                                          help="Checkpoints: numpy or mlx (default: mlx with Metal, else numpy)."),
+    buffered: bool = typer.Option(False, "--buffered", help="Read the image through the page cache."),
+    ram_budget: Optional[str] = typer.Option(None, "--ram-budget",
+                                             help="Images: plan RAM to fit, e.g. 512MB or 2GB, or refuse."),
+    lookahead: bool = typer.Option(False, "--lookahead", help="Images: start reading the next layer's guessed "
+                                                              "neurons while this layer computes."),
+    kernels: str = typer.Option("auto", "--kernels", help="Images: what computes the FFNs: auto (metal on a Mac, "
+                                                          "else cpu), cpu (C kernels on rows as stored), mlx "
+                                                          "(MLX's quantized kernel), metal."),
+    packed: bool = typer.Option(False, "--packed", help="Images: the same as --kernels mlx."),
+    readers: int = typer.Option(DEFAULT_READERS, "--readers", min=1,
+                                help="Images: reader threads, each with one read in flight."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+):
+    """Generate text from a flash image (exact, predicted or dense) or, with --dense, from any checkpoint."""
+    from lsparse.image.image import is_image
+    from lsparse.runtime.options import DecodeOptions, parse_budget
+    from lsparse.runtime.run import run as run_model
+    from lsparse.runtime.sampling import make_sampler
+    if is_image(model):
+        options = DecodeOptions(mode="dense" if dense and mode is None else (mode or "exact"), window=window,
+                                threshold_shift=threshold, ram_budget=parse_budget(ram_budget),
+                                kernels=_kernels(kernels, packed), readers=readers, direct=not buffered,
+                                lookahead=lookahead)
+    elif dense:
+        options = None
+    else:
+        raise LsparseError(f"{model} is not a flash image (lsparse compile makes one); add --dense to decode a "
+                           "checkpoint with every weight in RAM")
+    run_model(model, prompt, max_tokens, options, make_sampler(temp, top_p, seed), chat=not ignore_chat_template,
+              revision=revision, tokenizer=tokenizer, backend=backend, as_json=as_json)
+
+
+def _kernels(kernels: str, packed: bool) -> str:
+    if packed and kernels not in ("auto", "mlx"):
+        raise LsparseError(f"--packed means --kernels mlx; it cannot go with --kernels {kernels}")
+    return "mlx" if packed else kernels

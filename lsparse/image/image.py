@@ -1,0 +1,99 @@
+"""An image on disk, opened: its validated manifest, its resident tensors, its tokenizer and its neuron file."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+
+from lsparse.errors import LsparseError
+from lsparse.image.manifest import MANIFEST, MAX_MANIFEST_BYTES, NEURONS, Manifest
+
+
+def sha256_file(path: Path, start: int = 0, size: int | None = None) -> str:
+    """SHA-256 of `size` bytes of a file from `start` (None: to its end); only regular files are read."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(start)
+        left = size if size is not None else float("inf")
+        while left > 0:
+            chunk = f.read(int(min(left, 1 << 22)))
+            if not chunk:
+                break
+            h.update(chunk)
+            left -= len(chunk)
+    return h.hexdigest()
+
+
+def is_image(path) -> bool:
+    return (Path(path) / MANIFEST).is_file()
+
+
+class Image:
+    """`Image.open(path)`: the manifest read and validated once; files read on request."""
+
+    def __init__(self, path: Path, manifest: Manifest):
+        self.path, self.manifest = Path(path), manifest
+        self.neurons = self.path / NEURONS
+
+    @classmethod
+    def open(cls, path) -> "Image":
+        path = Path(path)
+        if not path.is_dir():
+            raise LsparseError(f"{path}: no such image (an image is a directory made by lsparse compile)")
+        file = path / MANIFEST
+        if not file.is_file():
+            raise LsparseError(f"{path}: not an lsparse image (no {MANIFEST})")
+        if file.stat().st_size > MAX_MANIFEST_BYTES:
+            raise LsparseError(f"{file}: {file.stat().st_size} bytes, more than any image's manifest")
+        return cls(path, Manifest.from_json(file.read_bytes(), str(file)))
+
+    def file(self, name: str) -> Path:
+        """A file the manifest lists (its name was checked to be a plain name inside the image)."""
+        return self.path / name
+
+    def resident(self, name: str) -> dict[str, np.ndarray]:
+        """A resident file's tensors ("globals" or "layer-NNN"): bundle bytes as uint8, the rest as float32."""
+        from lsparse.source.safetensors_store import SafetensorsFile
+        f = SafetensorsFile(self.file(f"resident/{name}.safetensors"))
+        return {t: f.get(t, as_float=f.entries[t][0] != "U8") for t in f.entries}
+
+    def layer_tensors(self, index: int) -> dict[str, np.ndarray]:
+        return self.resident(f"layer-{index:03d}")
+
+    def tokenizer(self):
+        from lsparse.source.tokenizer import from_folder
+        return from_folder(self.path, self.manifest.config)
+
+    def file_problems(self, hash_neurons: bool) -> list[str]:
+        """Missing, truncated or altered files: sizes always, checksums of every file but the neuron file
+        unless `hash_neurons` (its regions are checked apart, and hashing gigabytes at every start costs)."""
+        problems = []
+        for name, entry in self.manifest.files.items():
+            path = self.file(name)
+            if not path.is_file():
+                problems.append(f"{name}: missing")
+            elif path.stat().st_size != entry.size:
+                problems.append(f"{name}: {path.stat().st_size} bytes, expected {entry.size} (truncated or altered)")
+            elif (name != NEURONS or hash_neurons) and sha256_file(path) != entry.sha256:
+                problems.append(f"{name}: checksum mismatch (altered)")
+        return problems
+
+    def check_for_run(self) -> None:
+        """What `run` checks before it trusts an image: every file's size, and every checksum but the neuron
+        file's (its regions are checked as they are first read)."""
+        problems = self.file_problems(hash_neurons=False)
+        if problems:
+            raise LsparseError(f"{self.path} is damaged: {problems[0]} (lsparse verify tells more)")
+
+    def verify(self) -> list[str]:
+        """Every problem found: missing, truncated or altered files and neuron regions. Empty when intact."""
+        problems = self.file_problems(hash_neurons=True)
+        if any(p.startswith(f"{NEURONS}: missing") or "truncated" in p for p in problems):
+            return problems
+        for layer in self.manifest.layers:
+            r = layer.region
+            if sha256_file(self.neurons, r.offset, r.size) != r.sha256:
+                problems.append(f"layer {layer.index}: neuron region checksum mismatch")
+        return problems

@@ -1,0 +1,1 @@
+"""Compile presets: TOML files of CompileOptions fields, read by `lsparse compile --config NAME`."""

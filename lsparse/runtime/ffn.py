@@ -1,0 +1,75 @@
+"""What every FFN of an image shares (dense, streamed and paged): the activation rule it was compiled with, and
+the FFN output of a set of neurons whose rows a kernel backend holds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lsparse.image.manifest import Layer
+from lsparse.kernels.cpu import gate_passes
+from lsparse.model.layers import relu
+from lsparse.model.llama import gate_activation
+
+
+@dataclass(frozen=True)
+class Activation:
+    """Each neuron's coefficient on its down column, from the gate (OPT: fc1) pre-activation and the up values."""
+    args: object
+    gated: bool         # Llama family (gate and up); OPT: relu(fc1) alone
+    cut: float          # the gate's rule: pre > cut (ReLU family, FATReLU), or |silu(pre)| > cut (CATS)
+    cats: bool          # a SwiGLU image cut by magnitude
+    threshold_on: str   # "gate" (CATS) or "product" (|silu(gate) x up|)
+    apply_cut: bool     # False in dense mode: the model as compiled, every neuron kept
+
+    @classmethod
+    def of(cls, layer: Layer, arch, args, mode: str) -> "Activation":
+        cats = layer.threshold > 0
+        return cls(args, "gate" in arch.BUNDLE, layer.threshold if cats else getattr(args, "relu_threshold", 0.0),
+                   cats, layer.threshold_on, mode != "dense")
+
+    def __call__(self, pre: np.ndarray, up: np.ndarray | None) -> np.ndarray:
+        if not self.gated:  # OPT: relu(fc1 x + b)
+            return relu(pre, np)
+        a = gate_activation(self.args, pre, up, np)
+        if self.cats and self.apply_cut:
+            return a * (gate_passes(pre, self.cut, True) if self.threshold_on == "gate" else np.abs(a) > self.cut)
+        return a
+
+
+class NeuronProducts:
+    """One layer's FFN output over any set of its neurons, computed by a kernel backend."""
+
+    def __init__(self, kernels, arch, d_model: int, activation: Activation, resident: dict):
+        self.kernels, self.projection, self.d_model, self.activation = kernels, arch.EXACT_PROJECTION, d_model, \
+            activation
+        self.gated = "gate" in arch.BUNDLE
+        self.up_bias = _float(resident.get("up_bias"))      # (d_ff,) OPT's fc1 bias
+        self.down_bias = _float(resident.get("down_bias"))  # (d_model,) OPT's fc2 bias
+
+    def hold(self, bundles: np.ndarray, components) -> dict:
+        """{component: a held store of its rows} from bundle bytes (n, stride)."""
+        block = self.kernels.prepare(bundles, len(components))  # (n, len(components), row) as the backend keeps
+        return {c: self.kernels.hold(block[:, k]) for k, c in enumerate(components)}
+
+    def partial(self, x: np.ndarray, neurons: np.ndarray, stores: dict, slots, pre_all=None) -> np.ndarray:
+        """x (t, d_model) -> (t, d_model): the output of these neurons, whose rows are in `stores` at `slots`
+        (None: all of a held store); `pre_all` (t, d_ff): the gate already computed for every neuron."""
+        if len(neurons) == 0:
+            return np.zeros((x.shape[0], self.d_model), dtype=np.float32)
+        if pre_all is not None:
+            pre = pre_all[:, neurons]
+        else:
+            pre = self.kernels.mv(stores[self.projection], slots, x)
+            if self.up_bias is not None:
+                pre = pre + self.up_bias[neurons]
+        up = self.kernels.mv(stores["up"], slots, x) if self.gated else None
+        return self.kernels.vm(stores["down"], slots, self.activation(pre, up))
+
+    def finish(self, out: np.ndarray) -> np.ndarray:
+        return out if self.down_bias is None else out + self.down_bias
+
+
+def _float(a) -> np.ndarray | None:
+    return None if a is None else np.ascontiguousarray(a, dtype=np.float32)

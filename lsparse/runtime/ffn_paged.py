@@ -1,0 +1,125 @@
+"""The paged FFN (exact and predicted modes): hot neurons resident, cold ones found by the layer's predictor,
+looked up in its neuron cache and read from flash on a miss."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from lsparse.image.manifest import Layer
+from lsparse.runtime.cache import NeuronCache
+from lsparse.runtime.costs import CostLog, timed
+from lsparse.runtime.fetch import Fetched, Fetcher
+from lsparse.runtime.ffn import NeuronProducts
+
+# A layer whose hot neurons hold this many weights or more computes them while its cold reads are in flight;
+# below it handing the reads to a thread costs more than the overlap saves.
+OVERLAP_MIN_WEIGHTS = 1 << 20
+
+
+class PagedFFN:
+    def __init__(self, layer: Layer, products: NeuronProducts, hot_rows: dict, predictor, cache: NeuronCache,
+                 fetcher: Fetcher, rows_read: tuple[str, ...], costs: CostLog):
+        self.layer, self.products, self.hot_rows, self.predictor = layer, products, hot_rows, predictor
+        self.cache, self.fetcher, self.rows_read, self.costs = cache, fetcher, rows_read, costs
+        self.position = np.full(layer.d_ff, -1, dtype=np.int64)  # (d_ff,) a cold neuron's place in its region
+        self.position[layer.cold_order] = np.arange(len(layer.cold_order))
+        self.is_cold = self.position >= 0
+        self.prefix = len(rows_read) * fetcher.row_bytes  # the bytes of a bundle this mode reads
+        self.overlap = len(layer.hot) * products.d_model >= OVERLAP_MIN_WEIGHTS
+        self.next = None      # the next layer's PagedFFN, to read ahead for (the lookahead)
+        self.pending = None   # a read started ahead for this layer
+
+    def __call__(self, args, w, x, xp):
+        cost = self.costs.now
+        with timed(cost, "compute_s"):
+            active, pre = self.predictor.predict(x)  # (n_active,) ascending; the gate's values or None
+            needed = active[self.is_cold[active]]
+            if self.next is not None:
+                self.next.read_ahead(x)
+        start = time.perf_counter()
+        missing = self.cache.lookup(needed)
+        cost.lookups, cost.hits = cost.lookups + len(needed), cost.hits + len(needed) - len(missing)
+        extra = []  # (neurons, rows) the cache could not place: a token needing more than it holds
+        missing, waited_ahead = self._use_read_ahead(missing, extra, cost)
+        hot_out, waited, hot_s = self._read_missing(x, missing, pre, extra, cost)
+        cost.io_s += waited_ahead + waited
+        cost.mem_s += time.perf_counter() - start - waited_ahead - waited - hot_s
+        cost.compute_s += hot_s
+        with timed(cost, "compute_s"):
+            if hot_out is None:
+                hot_out = self.products.partial(x, self.layer.hot, self.hot_rows, None, pre)
+            cached, slots = self.cache.held(needed)
+            out = hot_out + self.products.partial(x, cached, dict(zip(self.rows_read, self.cache.rows, strict=True)),
+                                                  slots, pre)
+            for neurons, rows in extra:
+                held = {c: self.products.kernels.hold(rows[:, k]) for k, c in enumerate(self.rows_read)}
+                out = out + self.products.partial(x, neurons, held, None, pre)
+            return self.products.finish(out)
+
+    def _read_missing(self, x, missing, pre, extra, cost) -> tuple[np.ndarray | None, float, float]:
+        """Read the missing neurons into the cache: (the hot neurons' output if computed meanwhile, seconds
+        waited for the reads, seconds computing the hot neurons)."""
+        if not len(missing):
+            return None, 0.0, 0.0
+        missing = missing[np.argsort(self.position[missing])]
+        positions = self.position[missing]
+        hot_out, hot_s, started = None, 0.0, time.perf_counter()
+        if self.overlap:  # the hot neurons' sum while the reads are in flight
+            pending = self.fetcher.start(self.layer.region.offset, positions, self.prefix)
+            hot_out = self.products.partial(x, self.layer.hot, self.hot_rows, None, pre)
+            hot_s = time.perf_counter() - started
+            fetched = pending.result()
+        else:
+            fetched = self.fetcher.read(self.layer.region.offset, positions, self.prefix)
+        waited = time.perf_counter() - started - hot_s
+        self._count(fetched, len(missing), cost)
+        self._place(missing, self._block(fetched), extra)
+        return hot_out, waited, hot_s
+
+    def _block(self, fetched: Fetched) -> np.ndarray:
+        """Bundle bytes to (neurons, rows read, row) as the backend keeps them."""
+        return self.products.kernels.prepare(fetched.rows, len(self.rows_read))
+
+    def _place(self, neurons: np.ndarray, block: np.ndarray, extra: list) -> None:
+        placed = self.cache.insert(neurons, block)
+        if not placed.all():
+            extra.append((neurons[~placed], block[~placed]))
+
+    def _count(self, fetched: Fetched, n_needed: int, cost) -> None:
+        cost.bytes_needed += n_needed * self.prefix
+        cost.bytes_read += fetched.transferred
+        cost.requests += fetched.requests
+        cost.read_s += fetched.seconds
+
+    def read_ahead(self, x_before: np.ndarray) -> None:
+        """Lookahead: guess this layer's neurons from the previous layer's FFN input (the hidden state changes
+        little from layer to layer: Deja Vu) and start reading the uncached ones through the lookahead reader."""
+        guess, _ = self.predictor.predict(x_before)
+        want = guess[self.is_cold[guess]]
+        want = want[self.cache.slot_of[want] < 0]
+        if len(want):
+            want = want[np.argsort(self.position[want])]
+            self.pending = self.fetcher.start_ahead(self.layer.region.offset, self.position[want], self.prefix,
+                                                    lambda fetched: (want, fetched, self._block(fetched)))
+
+    def _use_read_ahead(self, missing: np.ndarray, extra: list, cost) -> tuple[np.ndarray, float]:
+        """The rows a lookahead brought stand in for reads: (the neurons still missing after them, the seconds
+        waited for them)."""
+        if self.pending is None:
+            return missing, 0.0
+        start = time.perf_counter()
+        try:
+            neurons, fetched, block = self.pending.result()
+        finally:
+            self.pending = None
+        waited = time.perf_counter() - start
+        cost.bytes_read, cost.requests = cost.bytes_read + fetched.transferred, cost.requests + fetched.requests
+        cost.read_s += fetched.seconds
+        used = np.isin(neurons, missing)
+        cost.lookahead_used += int(used.sum())
+        cost.lookahead_wasted += int((~used).sum())
+        cost.bytes_needed += int(used.sum()) * self.prefix
+        self._place(neurons[used], block[used], extra)
+        return missing[~np.isin(missing, neurons)], waited

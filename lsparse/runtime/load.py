@@ -1,0 +1,139 @@
+"""Loading an image for decoding: the plan made, the kernel backend, reader and each layer's FFN chosen once,
+here; then generation calls the ImageModel like the dense Model."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lsparse.errors import LsparseError
+from lsparse.image.image import Image
+from lsparse.kernels import backends
+from lsparse.model import Model, architecture
+from lsparse.runtime import predictors
+from lsparse.runtime.cache import NeuronCache
+from lsparse.runtime.costs import CostLog, flash_report
+from lsparse.runtime.fetch import Fetcher
+from lsparse.runtime.ffn import Activation, NeuronProducts
+from lsparse.runtime.ffn_paged import PagedFFN
+from lsparse.runtime.ffn_streamed import DenseFFN, StreamedFFN
+from lsparse.runtime.options import DecodeOptions
+from lsparse.runtime.plan import MemoryPlan, plan
+from lsparse.runtime.reader import DEFAULT_GAP_BYTES
+
+
+class ImageModel:
+    """A Model over an image's weights, with what each forward call cost in `costs`."""
+
+    def __init__(self, image: Image, model: Model, ffns: list, costs: CostLog, memory: MemoryPlan,
+                 fetcher: Fetcher | None, kernels, gap: dict, trace):
+        self.image, self.model, self.ffns, self.costs, self.memory_plan = image, model, ffns, costs, memory
+        self.fetcher, self.kernels, self.gap, self.trace = fetcher, kernels, gap, trace
+        self.xp, self.make_cache, self.context_length = model.xp, model.make_cache, model.context_length
+        self.token_by_token = isinstance(ffns[0], PagedFFN) if ffns else False
+
+    def __call__(self, tokens, cache, ffn_fns=None):
+        if ffn_fns is not None:
+            raise ValueError("an image model's FFNs are its own")
+        self.costs.start()
+        if not self.token_by_token and self.trace is None:
+            return self.model(tokens, cache, self.ffns)
+        # A prompt goes through token by token, as decoding does: a neuron cache sized for one token's
+        # neurons need not hold the union of a whole prompt's (and a replayed trace moves one token a step).
+        out = []
+        for t in tokens:
+            if self.trace is not None:
+                self.trace.step()
+            out.append(self.model([t], cache, self.ffns))
+        return np.concatenate(out)
+
+    def dense_ffn_bytes(self) -> int:
+        return self.image.manifest.dense_ffn_bytes()
+
+    def flash_report(self) -> dict:
+        """Per decoded token: what the FFNs read and where the time went (costs.flash_report), and how."""
+        return {**flash_report(self.costs.steps, self.dense_ffn_bytes()), "direct_io": self.fetcher.reader.direct,
+                "gap_bytes": self.gap["bytes"], "gap_rule": self.gap["rule"]}
+
+    def close(self) -> None:
+        if self.fetcher is not None:
+            self.fetcher.close()
+
+
+def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[ImageModel, object]:
+    """(ImageModel, tokenizer) for an image (a path or an Image), decoding as `options` says (or a
+    DecodeOptions built from `fields`). With a RAM budget the plan fits in it or the image is refused."""
+    options = options or DecodeOptions(**fields)
+    image = image if isinstance(image, Image) else Image.open(image)
+    image.check_for_run()
+    m = image.manifest
+    backend = backends.select(options.kernels, m.bundle.d_model, m.bundle.bits, m.bundle.group_size)
+    memory = plan(m, backend, options)
+    trace = _trace(image, options)
+    fetcher, gap = _fetcher(image, options, memory)
+    arch, args = architecture(m.config)
+    costs = CostLog()
+    layers, ffns = [], []
+    for layer in m.layers:
+        resident = image.layer_tensors(layer.index)
+        layers.append({k: v.astype(np.float32) for k, v in resident.items()
+                       if v.dtype != np.uint8 and k not in predictors.PREDICTOR_TENSORS})
+        ffns.append(_layer_ffn(image, layer, resident, options, arch, args, backend, memory, fetcher, trace, costs))
+    if options.lookahead:
+        for this, nxt in zip(ffns, ffns[1:], strict=False):
+            this.next = nxt
+    globals_ = {k: v.astype(np.float32) for k, v in image.resident("globals").items()}
+    model = Model(arch, args, globals_, layers, np)
+    return ImageModel(image, model, ffns, costs, memory, fetcher, backend, gap, trace), image.tokenizer()
+
+
+def _trace(image: Image, options: DecodeOptions):
+    """A synthetic image's replayed masks, in the modes that can use them."""
+    if image.manifest.predictor != "trace":
+        return None
+    if options.mode not in ("predicted", "hybrid") or options.lookahead:
+        raise LsparseError(f"{image.path} is synthetic (random weights, neuron masks replayed from a recorded "
+                           "trace): run it in predicted or hybrid mode, without lookahead")
+    from lsparse.image.trace import TRACE, Trace
+    return Trace(image.file(TRACE))
+
+
+def _fetcher(image: Image, options: DecodeOptions, memory: MemoryPlan) -> tuple[Fetcher | None, dict]:
+    """The neuron file's fetcher, its buffers sized by the plan, and the gap rule (measured on the device
+    through that reader, once per device)."""
+    if options.mode == "dense":
+        return None, {"bytes": 0, "rule": "no reads"}
+    b = image.manifest.bundle
+    fetcher = Fetcher(image.neurons, b.stride, b.row_bytes, options.gap_bytes or 0, options.bundled,
+                      options.readers, options.direct, memory.read_buffer_bytes,
+                      options.lookahead and options.mode in ("exact", "predicted"))
+    if options.gap_bytes is not None:
+        return fetcher, {"bytes": options.gap_bytes, "rule": "given"}
+    from lsparse.runtime.device import gap_for
+    fetcher.gap_bytes, rule = gap_for(fetcher.reader) if fetcher.reader.direct else (DEFAULT_GAP_BYTES, "default")
+    return fetcher, {"bytes": fetcher.gap_bytes, "rule": rule}
+
+
+def _layer_ffn(image, layer, resident, options, arch, args, backend, memory, fetcher, trace, costs):
+    """One layer's FFN, of the kind its mode needs."""
+    b = image.manifest.bundle
+    activation = Activation.of(layer, arch, args, options.mode)
+    products = NeuronProducts(backend, arch, b.d_model, activation, resident)
+    if options.mode == "dense":
+        r = layer.region
+        with open(image.neurons, "rb") as f:
+            f.seek(r.offset)
+            cold = np.frombuffer(f.read(r.size), dtype=np.uint8).reshape(r.count, b.stride)
+        bundles = np.concatenate([resident["hot_bundles"], cold])  # (d_ff, stride) in hot then file order
+        return DenseFFN(np.concatenate([layer.hot, layer.cold_order]), products,
+                        products.hold(bundles, b.components), costs)
+    hot_rows = products.hold(resident["hot_bundles"], b.components)
+    if options.mode == "hybrid":
+        return StreamedFFN(layer, products, hot_rows, fetcher, b.components, costs)
+    exact_rows = None
+    if options.mode == "exact":  # only exact mode holds the whole gate
+        exact_rows = products.hold(resident["exact_rows"], (arch.EXACT_PROJECTION,))[arch.EXACT_PROJECTION]
+    predictor = predictors.choose(image.manifest, layer, options.mode, resident, exact_rows, backend, activation,
+                                  trace, options.threshold_shift)
+    rows_read = b.components[: b.exact_prefix] if options.mode == "exact" else b.components
+    cache = NeuronCache(layer.d_ff, memory.cache_slots[layer.index], len(rows_read), options.window, backend)
+    return PagedFFN(layer, products, hot_rows, predictor, cache, fetcher, rows_read, costs)

@@ -1,0 +1,60 @@
+"""How to decode from an image: one dataclass, filled by the CLI (once), by bench rungs and by scripts."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, replace
+
+from lsparse.errors import LsparseError
+from lsparse.kernels.backends import KERNELS
+from lsparse.runtime.reader import DEFAULT_READERS
+from lsparse.sizes import parse_size
+
+MODES = ("exact", "predicted", "dense", "hybrid")
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    mode: str = "exact"             # exact (the gate resident: lossless), predicted, dense or hybrid
+    window: int = 5                 # keep the neurons of the last `window` tokens in RAM
+    threshold_shift: float = 0.0    # added to each layer's predictor threshold (negative: load more)
+    ram_budget: int | None = None   # bytes; the plan fits in it or the run is refused. None: no limit
+    context: int = 2048             # tokens the KV cache is planned for (prompt and generation)
+    kernels: str = "auto"           # what computes the FFNs (lsparse/kernels/backends.py)
+    readers: int = DEFAULT_READERS  # reader threads, each with one read in flight
+    direct: bool = True             # O_DIRECT (F_NOCACHE on macOS): the page cache holds nothing
+    lookahead: bool = False         # read the next layer's guessed neurons while this one computes
+    gap_bytes: int | None = None    # read through gaps below this; None: the rule measured on the device
+    bundled: bool = True            # False: each row of a neuron is a read of its own (an ablation)
+
+    def __post_init__(self):
+        if self.mode not in MODES:
+            raise LsparseError(f"unknown mode {self.mode!r} (choose from {', '.join(MODES)})")
+        if self.kernels not in KERNELS:
+            raise LsparseError(f"unknown kernels {self.kernels!r} (choose from {', '.join(KERNELS)})")
+        for name in ("window", "context", "readers"):
+            if getattr(self, name) < 1:
+                raise LsparseError(f"--{name} must be at least 1, got {getattr(self, name)}")
+        if not math.isfinite(self.threshold_shift):
+            raise LsparseError(f"--threshold must be a finite number, got {self.threshold_shift}")
+        if self.ram_budget is not None and self.ram_budget <= 0:
+            raise LsparseError(f"--ram-budget must be positive, got {self.ram_budget} bytes")
+        if self.gap_bytes is not None and self.gap_bytes < 0:
+            raise LsparseError(f"the read-through gap must be at least 0, got {self.gap_bytes}")
+
+    def but(self, **changes) -> "DecodeOptions":
+        return replace(self, **changes)
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
+
+
+def parse_budget(text: str | None) -> int | None:
+    """--ram-budget as the user wrote it: bytes (512MB, 2GB). None or '' is refused by the caller's rules:
+    here None means no budget."""
+    if text is None:
+        return None
+    if not text.strip():
+        raise LsparseError("--ram-budget is empty (examples: 512MB, 2GB)")
+    return parse_size(text)

@@ -1,0 +1,124 @@
+"""Planning RAM for decoding from an image under a budget: what stays resident, what each layer's neuron cache
+may hold, the buffers reads land in, the KV cache and the process itself. Refuses a budget that cannot fit,
+naming the smallest that can. Everything that allocates while decoding is sized by this plan."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from lsparse.errors import LsparseError
+from lsparse.image.manifest import Manifest
+from lsparse.model import architecture
+from lsparse.runtime.options import DecodeOptions
+from lsparse.runtime.reader import ALIGN
+
+# Python, numpy, MLX and lsparse's own code: `lsparse run` peaks at 57 MB (VmHWM) on a tiny image on Linux
+# x86-64 with the mlx[cpu] wheel, weights included; with MLX's quantized kernel at work (--packed), about
+# 45 MB more at 7B geometry.
+PROCESS_BYTES = 112 * 2**20
+MIN_READ_BUFFER = 1 << 20
+F32 = 4
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    process: int
+    attention: int
+    embedding_head: int
+    kv_cache: int
+    hot_neurons: int
+    exact_gate: int
+    predictors: int
+    working_set: int              # one layer's reads in flight: the reader's buffer and the rows it yields
+    neuron_cache: int
+    total: int
+    smallest_budget: int
+    read_buffer_bytes: int        # one reader's buffer (the lookahead's reader has another)
+    cache_slots: tuple[int, ...]  # per layer: neurons its cache holds
+
+    def report(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "cache_slots"}
+
+
+def _most_loaded(manifest: Manifest, mode: str) -> np.ndarray:
+    """Per layer, the largest share of its neurons one calibration token loaded in this mode."""
+    return np.array([layer.max_predicted_fraction if mode == "predicted" else layer.max_active_fraction
+                     for layer in manifest.layers])
+
+
+def _resident_bytes(manifest: Manifest, mode: str, context: int, row_bytes) -> dict:
+    """What stays in RAM whatever the cache holds."""
+    arch, args = architecture(manifest.config)
+    d, h = args.hidden_size, args.head_dim
+    n_kv, _ = arch.kv_shape(args)
+    n_layers = len(manifest.layers)
+    d_ffs = np.array([layer.d_ff for layer in manifest.layers])
+    attention = (2 * args.num_attention_heads * h * d + 2 * n_kv * h * d) * F32 * n_layers
+    tied = manifest.config.get("tie_word_embeddings")
+    ranks = [layer.predictor_rank or 0 for layer in manifest.layers]
+    rows = len(manifest.bundle.components)
+    return {
+        "process": PROCESS_BYTES, "attention": attention,
+        "embedding_head": (args.vocab_size * d * (1 if tied else 2) + 2 * d) * F32,
+        "kv_cache": n_layers * 2 * n_kv * context * h * F32,
+        "hot_neurons": sum(len(layer.hot) * row_bytes(len(layer.hot)) for layer in manifest.layers) * rows,
+        "exact_gate": sum(int(n) * row_bytes(n) for n in d_ffs) if mode == "exact" else 0,
+        "predictors": int(sum((d + n + 1) * r + n for r, n in zip(ranks, d_ffs, strict=True))) * F32
+        if mode == "predicted" else 0,
+    }
+
+
+def plan(manifest: Manifest, kernels, options: DecodeOptions) -> MemoryPlan:
+    """Bytes per component, each layer's cache capacity and the read buffers, for rows held as the kernel
+    backend `kernels` holds them (None: decoded to fp32). Without a budget a cache holds `window` tokens' worth
+    of neurons."""
+    b, mode = manifest.bundle, options.mode
+
+    def row_bytes(count: int, held: bool = True) -> int:  # one row in a store of `count` rows
+        return kernels.store_row_bytes(int(count), held) if kernels else b.d_model * F32
+
+    fixed = _resident_bytes(manifest, mode, options.context, row_bytes)
+    d_ffs = np.array([layer.d_ff for layer in manifest.layers])
+    cold = np.array([layer.region.count for layer in manifest.layers])
+    rows = b.exact_prefix if mode == "exact" else len(b.components)
+    zeros = np.zeros_like(cold)
+    if mode == "dense":  # every neuron held, as hot ones are
+        fixed["hot_neurons"] = sum(int(n) * row_bytes(n) for n in d_ffs) * len(b.components)
+        return _fit(fixed, 0, 0, zeros, zeros, None, options.ram_budget, mode)
+    if mode == "hybrid":  # one layer's cold bundles at a time, read whole, held and dropped
+        buffer = -(-int(cold.max()) * b.stride // ALIGN) * ALIGN + ALIGN
+        working = buffer + int(cold.max()) * len(b.components) * row_bytes(cold.max())
+        return _fit(fixed, working, buffer, zeros, zeros, None, options.ram_budget, mode)
+    # A token's own neurons should fit: a quarter more than the most calibration saw one token load. A token
+    # that loads more still runs, through rows of its own and reads in several batches, at the cost of rereads.
+    minimum = np.minimum(cold, np.ceil(1.25 * _most_loaded(manifest, mode) * d_ffs).astype(int))
+    capacity = np.minimum(cold, options.window * minimum)
+    def slot_bytes(count: int) -> int:  # a slot: the rows kept of a neuron, as a store of `count` keeps them
+        return rows * row_bytes(max(int(count), 1), held=False)
+
+    buffer = max(MIN_READ_BUFFER, -(-2 * int(minimum.max()) * b.stride // ALIGN) * ALIGN)
+    readers = 2 if options.lookahead else 1
+    # per reader: its buffer, the rows it yields as the backend keeps them, and the copies the products gather
+    working = readers * (buffer + max(2 * int(n) * slot_bytes(n) for n in minimum))
+    return _fit(fixed, working, buffer, minimum, capacity, slot_bytes, options.ram_budget, mode)
+
+
+def _fit(fixed: dict, working: int, buffer: int, minimum, capacity, slot_bytes, budget: int | None,
+         mode: str) -> MemoryPlan:
+    """The plan with each layer's cache as large as the budget allows, or a refusal naming the smallest. A
+    larger store never keeps a row in more bytes, so a slot at a layer's minimum bounds it at any capacity."""
+    slot = np.array([slot_bytes(n) for n in minimum]) if slot_bytes else np.zeros(len(minimum), dtype=int)
+    base = sum(fixed.values()) + working
+    need = base + int((minimum * slot).sum())
+    if budget is not None:
+        if budget < need:
+            raise LsparseError(f"a RAM budget of {budget / 2**20:.0f} MiB cannot hold this image in {mode} mode: "
+                               f"the smallest that works is {-(-need // 2**20)} MiB")
+        if base + int((capacity * slot).sum()) > budget:  # the caches shared in proportion to their minimum
+            scale = (budget - base) / max(int((minimum * slot).sum()), 1)
+            capacity = np.minimum(capacity, np.maximum(minimum, np.floor(scale * minimum).astype(int)))
+    cache = sum(int(c) * slot_bytes(c) for c in capacity) if slot_bytes else 0
+    return MemoryPlan(**fixed, working_set=working, neuron_cache=cache, total=base + cache, smallest_budget=need,
+                      read_buffer_bytes=buffer, cache_slots=tuple(int(c) for c in capacity))

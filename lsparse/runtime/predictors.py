@@ -1,0 +1,61 @@
+"""Which neurons a token needs, known before their rows are read; chosen once per layer at load.
+
+- ExactGate: the gate projection (OPT: fc1) resident and computed in full, then compacted: lossless;
+- Scored: a low-rank (LLM in a Flash) or SVD predictor's scores against the layer's threshold;
+- Replayed: a synthetic image's recorded masks (lsparse/image/trace.py), for what only shows at scale.
+Each answers predict(x) -> (the neurons active for any row of x, ascending; the gate's values or None).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from lsparse.calibrate.predictors import predictor_scores
+from lsparse.errors import LsparseError
+from lsparse.image.manifest import Layer, Manifest
+
+PREDICTOR_TENSORS = ("A", "B", "bias", "W1", "W2", "b2")
+
+
+class ExactGate:
+    def __init__(self, kernels, rows, up_bias, activation):
+        self.kernels, self.rows, self.up_bias = kernels, rows, up_bias  # rows: the gate, held, (d_ff, row)
+        self.cut, self.cats = activation.cut, activation.cats
+
+    def predict(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        pre, active = self.kernels.gate(self.rows, x, self.up_bias, self.cut, self.cats)
+        return active, pre
+
+
+class Scored:
+    def __init__(self, kind: str, tensors: dict, threshold: float):
+        self.kind, self.tensors, self.threshold = kind, tensors, threshold
+
+    def predict(self, x: np.ndarray) -> tuple[np.ndarray, None]:
+        return np.flatnonzero((predictor_scores(self.kind, self.tensors, x) > self.threshold).any(0)), None
+
+
+class Replayed:
+    def __init__(self, trace, index: int):
+        self.trace, self.index = trace, index
+
+    def predict(self, x: np.ndarray) -> tuple[np.ndarray, None]:
+        return np.flatnonzero(self.trace.mask(self.index)), None
+
+
+def choose(manifest: Manifest, layer: Layer, mode: str, resident: dict, exact_rows, kernels, activation,
+           trace, threshold_shift: float):
+    """The predictor of one layer in this mode (exact: the resident gate; predicted: what the image carries)."""
+    if mode == "exact":
+        if activation.cats and layer.threshold_on != "gate":
+            raise LsparseError("exact mode needs the mask from the resident gate alone; this SwiGLU image cuts by "
+                               "|silu(gate) x up| (compile --threshold-on product): run it in predicted, hybrid or "
+                               "dense mode")
+        up_bias = resident.get("up_bias")
+        return ExactGate(kernels, exact_rows, None if up_bias is None else up_bias.astype(np.float32), activation)
+    if manifest.predictor == "exact":
+        raise LsparseError("this image was compiled with --predictor exact: run it in exact or dense mode")
+    if manifest.predictor == "trace":
+        return Replayed(trace, layer.index)
+    tensors = {k: np.ascontiguousarray(resident[k], dtype=np.float32) for k in PREDICTOR_TENSORS if k in resident}
+    return Scored(manifest.predictor, tensors, layer.predictor_threshold + threshold_shift)
