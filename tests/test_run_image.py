@@ -323,3 +323,21 @@ def test_ctrl_c_while_decoding_exits_130_and_leaves_the_image_intact(relu_image,
     assert exit_.value.code == 130 and calls["n"] == 3
     assert capsys.readouterr().err.strip().endswith("interrupted")
     assert Image.open(relu_image).verify() == []
+
+
+def test_every_read_buffer_is_the_plans(relu_image):
+    """The reader, the lookahead's reader and the device measurement read into buffers of the plan's size, and
+    a token whose reads exceed a buffer is read in batches, with the same result."""
+    tokens = list(np.random.default_rng(11).integers(3, 512, 24))
+    model, _ = load_image(relu_image, mode="exact", window=2, lookahead=True)
+    assert len(model.fetcher.reader.buffer) == len(model.fetcher.ahead.buffer) == model.memory_plan.read_buffer_bytes
+    want = logits(model, tokens)
+    from lsparse.runtime.fetch import Fetcher
+    small, _ = load_image(relu_image, mode="exact", window=2)
+    f = small.fetcher
+    small.fetcher = Fetcher(small.image.neurons, f.stride, f.row_bytes, f.gap_bytes, True, 4, True,
+                            2 * 4096, False)  # a buffer of two blocks: many batches
+    for ffn in small.ffns:
+        ffn.fetcher = small.fetcher
+    np.testing.assert_array_equal(logits(small, tokens), want)
+    assert sum(s.requests for s in small.costs.steps) >= sum(s.requests for s in model.costs.steps)

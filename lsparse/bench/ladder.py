@@ -14,14 +14,12 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from lsparse.bench.report import summary
 from lsparse.bench.rungs import LADDER, SYNTHETIC_RUNGS, Rung, synthetic_base, variant_images
 from lsparse.bench.worker import can_cap, in_subprocess
 from lsparse.errors import LsparseError
 from lsparse.image.image import Image
-from lsparse.image.manifest import Manifest
+from lsparse.model import architecture
 from lsparse.runtime.options import DEFAULT_READERS, DecodeOptions
 from lsparse.runtime.plan import MemoryPlan, plan
 
@@ -128,9 +126,10 @@ def bench(image, options: BenchOptions, progress=print) -> dict:
                             image.parent / f"{image.name}.variants", progress)
     prompts, windows = prompt_and_quality_windows(opened.tokenizer(), options)
     context = options.prompt_tokens + options.gen_tokens
-    if context > meta.config.get("max_position_embeddings", context):
+    limit = architecture(meta.config)[1].max_position_embeddings
+    if context > limit:
         raise LsparseError(f"{options.prompt_tokens} prompt + {options.gen_tokens} generated tokens exceed the "
-                           f"model's context of {meta.config['max_position_embeddings']}")
+                           f"model's context of {limit}")
     results, quality_done = _run_rungs(rungs, images, prompts, windows, options, context, progress)
     references = {"4bit": results.get("dense 4-bit"), "fp16": results.get("dense fp16")}
     rows = [summary(r, results[r.name], references["4bit" if r.variant.startswith("4bit") else "fp16"])
@@ -140,17 +139,11 @@ def bench(image, options: BenchOptions, progress=print) -> dict:
     full = next((r for r in rungs if r.name == "+4-bit"), None)
     sweep = _sweep(full, images[full.variant], prompts, options, context, dense,
                    quality_done.get((full.variant, full.mode), {}), progress) if full and options.budgets else []
-    return {"image": str(image), "source": meta.source, "synthetic": meta.synthetic,
+    return {"image": str(image), "source": meta.source, "synthetic": asdict(meta.synthetic) if meta.synthetic else None,
             "dense_model_ram_bytes": dense.total - dense.process - dense.kv_cache, "prompts": len(prompts),
             "prompt_tokens": options.prompt_tokens, "gen_tokens": options.gen_tokens,
             "texts": [] if options.synthetic else [str(t) for t in options.texts],
             "quality_tokens": options.quality_tokens,
             "predictor_quality": {} if options.synthetic else
-            predictor_quality(Image.open(images.get("4bit-hot", image)).manifest),
+            Image.open(images.get("4bit-hot", image)).manifest.mean_predictor_quality(),
             "rows": rows, "sweep": sweep}
-
-
-def predictor_quality(manifest: Manifest) -> dict:
-    """The compile-time, held-out predictor figures, averaged over layers."""
-    q = [layer.figures["predictor"] for layer in manifest.layers]
-    return {k: float(np.mean([x[k] for x in q])) for k in q[0] if isinstance(q[0][k], (int, float))}

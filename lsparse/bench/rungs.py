@@ -65,7 +65,7 @@ def synthetic_base(name: str, folder: Path, progress) -> Path:
     """The full-system variant of a synthetic model, written once into its variants folder."""
     from lsparse.bench.synthetic import write_synthetic
     out = folder / "4bit-hot"
-    if not is_image(out) or Image.open(out).manifest.options["layout"] != "coactivation":
+    if not is_image(out) or Image.open(out).manifest.option("layout") != "coactivation":
         progress(f"writing synthetic:{name} into {out}")
         write_synthetic(name, out, bits=4, shared=folder / ".neurons", progress=progress)
     return out
@@ -78,7 +78,7 @@ def variant_images(image: Path, needed: set[str], folder: Path, progress=print) 
     recorded = meta.options
     if not recorded:
         raise LsparseError(f"{image} does not record its compile options: compile it again to bench it")
-    base = {**recorded} if meta.is_synthetic else {**recorded, "calib": Path(meta.calibration["text"])}
+    base = {**recorded} if meta.is_synthetic else {**recorded, "calib": Path(meta.calibration.text)}
     if base.get("predictor") == "exact":
         base["predictor"] = "lowrank"  # the predicted rungs need a predictor
     images = {}
@@ -94,7 +94,7 @@ def variant_images(image: Path, needed: set[str], folder: Path, progress=print) 
         if meta.is_synthetic:
             from lsparse.bench.synthetic import write_synthetic
             progress(f"writing the {name} variant of {meta.source} into {out}")
-            write_synthetic(meta.synthetic["name"], out, shared=folder / ".neurons",
+            write_synthetic(meta.synthetic.name, out, shared=folder / ".neurons",
                             progress=progress, **{k: options[k] for k in recorded})
         else:
             progress(f"compiling the {name} variant of {meta.source} into {out}")

@@ -23,7 +23,7 @@ import numpy as np
 
 from lsparse import __version__
 from lsparse.errors import LsparseError
-from lsparse.image.manifest import Layer, Region
+from lsparse.image.manifest import Calibration, Layer, Region, Synthetic
 from lsparse.image.trace import TRACE, Trace
 
 GEOMETRIES = {"llama-7b-relu": {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32},
@@ -188,10 +188,10 @@ def write_synthetic(name: str, out, bits: int = 4, hot_fraction: float = 0.1, la
             bundle=BundleLayout(components=tuple(BUNDLE), exact_prefix=EXACT_PREFIX, row_bytes=row_bytes(d, bits, 64),
                                 stride=bundle_stride(d, len(BUNDLE), bits, 64), d_model=d, bits=bits, group_size=64),
             predictor="trace", recall_target=None,
-            calibration={"text": "lsparse calibration stories (traced)", "tokens": t_len, "held_out_tokens": 0},
+            calibration=Calibration(text="lsparse calibration stories (traced)", tokens=t_len, held_out_tokens=0),
             options={"bits": bits, "hot_fraction": hot_fraction, "layout": layout, "trace_tokens": trace_tokens,
                      "seed": seed},
             layers=tuple(layers),
-            synthetic={"name": name, "trace_model": TRACE_MODEL, "trace_tokens": t_len, "tiles": tiles,
-                       "note": "random weights; neuron masks replayed from the built-in model's recorded "
-                               "activations. No quality figure applies."})
+            synthetic=Synthetic(name=name, trace_model=TRACE_MODEL, trace_tokens=t_len, tiles=tiles,
+                                note="random weights; neuron masks replayed from the built-in model's recorded "
+                                     "activations. No quality figure applies."))

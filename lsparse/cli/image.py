@@ -89,7 +89,7 @@ def compile_(
                                                     "|silu(gate) x up| (less quality lost; no exact mode) [gate]."),
     layout: Optional[str] = typer.Option(None, "--layout", help="Cold-neuron order on flash: coactivation or "
                                                                 "natural [coactivation]."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing image."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing lsparse image (never any other folder)."),
 ):
     """Calibrate a checkpoint layer by layer and write its flash image."""
     from rich.console import Console
@@ -104,8 +104,9 @@ def compile_(
     options = CompileOptions(force=force, **settings)
     if calib:
         options.calib = calib
+    err = Console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
-                  TimeElapsedColumn(), console=Console(stderr=True), transient=True) as bar:
+                  TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
         task = bar.add_task("calibrating and writing layers", total=None)
         training = bar.add_task("training predictors", total=None, visible=False)
 
@@ -135,12 +136,13 @@ def pack(
     image: str = typer.Argument(..., help="An image directory."),
     output: Optional[str] = typer.Option(None, "--output", "-o", help="The file to write [IMAGE.lsimg.zst]."),
     level: int = typer.Option(3, "--level", min=1, max=22, help="zstandard level."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing pack (never any other file)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ):
     """Pack an image into one zstandard-compressed file, to ship it."""
     from lsparse.image.pack import SUFFIX
     from lsparse.image.pack import pack as pack_image
-    result = pack_image(image, output or image.rstrip("/") + SUFFIX, level)
+    result = pack_image(image, output or image.rstrip("/") + SUFFIX, level, force)
     if as_json:
         typer.echo(json.dumps(result))
     else:
@@ -152,7 +154,7 @@ def pack(
 def unpack(
     packed: str = typer.Argument(..., help="A file made by lsparse pack."),
     output: str = typer.Option(..., "--output", "-o", help="The image directory to write."),
-    force: bool = typer.Option(False, "--force", help="Replace an existing image."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing lsparse image (never any other folder)."),
 ):
     """Unpack and verify an image packed by lsparse pack."""
     from lsparse.image.pack import unpack as unpack_image

@@ -25,8 +25,9 @@ from lsparse.calibrate.predictors import (
 from lsparse.calibrate.residency import hot_set, neuron_scores
 from lsparse.errors import LsparseError
 from lsparse.image.bundles import component_rows, decode_bundles, encode_bundles, read_stats, stride
-from lsparse.image.manifest import BundleLayout, Layer, Manifest
+from lsparse.image.manifest import BundleLayout, Calibration, Layer, Manifest
 from lsparse.image.quantize import check, row_bytes
+from lsparse.image.replace import check_target
 from lsparse.image.writer import writing
 from lsparse.model import architecture
 from lsparse.model.layers import silu
@@ -196,8 +197,7 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None, t
         raise LsparseError(f"unknown threshold_on {options.threshold_on!r} (choose from {', '.join(THRESHOLD_ON)})")
     if options.layout not in LAYOUTS:
         raise LsparseError(f"unknown layout {options.layout!r} (choose from {', '.join(LAYOUTS)})")
-    if Path(out).exists() and not options.force:  # before the minutes of work, not only at the end
-        raise LsparseError(f"{out} already exists (pass --force to replace it)")
+    check_target(Path(out), options.force, "image")  # before the minutes of work, not only at the end
     checkpoint = resolve(spec)
     if checkpoint.tokenizer is None:
         raise LsparseError(f"{checkpoint.location}: no tokenizer found; an image needs one")
@@ -228,5 +228,5 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None, t
                                 stride=stride(args.hidden_size, len(arch.BUNDLE), options.bits, options.group_size),
                                 d_model=args.hidden_size, bits=options.bits, group_size=options.group_size),
             predictor=options.predictor, recall_target=options.recall,
-            calibration={"text": str(options.calib), "tokens": tokens, "held_out_tokens": tokens - train_n},
+            calibration=Calibration(text=str(options.calib), tokens=tokens, held_out_tokens=tokens - train_n),
             options={k: getattr(options, k) for k in PRESET_KEYS}, layers=tuple(layers), synthetic=None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +42,8 @@ def describe_image(image, manifest: Manifest | None = None) -> dict:
         })
     return {"image": str(image.path), "source": m.source, "created": m.created,
             "quantization": {"bits": m.bundle.bits, "group_size": m.bundle.group_size},
-            "predictor": {"kind": m.predictor, "recall_target": m.recall_target}, "calibration": m.calibration,
+            "predictor": {"kind": m.predictor, "recall_target": m.recall_target},
+            "calibration": dataclasses.asdict(m.calibration),
             "bundle_stride": m.bundle.stride, "bytes": total,
             "components": {k: {"bytes": v, "share": v / total} for k, v in components.items()},
             "neuron_file_bytes": m.files[NEURONS].size, "layers": layers}

@@ -74,6 +74,22 @@ class Layer:
 
 
 @dataclass(frozen=True)
+class Calibration:
+    text: str             # the calibration text's path
+    tokens: int
+    held_out_tokens: int  # the last tokens, kept apart for the figures compile reports
+
+
+@dataclass(frozen=True)
+class Synthetic:
+    name: str             # synthetic:NAME
+    trace_model: str      # the model whose recorded masks are replayed
+    trace_tokens: int
+    tiles: int            # traced layers per synthetic layer
+    note: str
+
+
+@dataclass(frozen=True)
 class Manifest:
     config: dict = field(repr=False)  # the model's config.json
     source: str
@@ -82,15 +98,24 @@ class Manifest:
     bundle: BundleLayout
     predictor: str            # one of PREDICTORS
     recall_target: float | None
-    calibration: dict         # {"text", "tokens", "held_out_tokens"}
+    calibration: Calibration
     options: dict             # the compile options, so that bench can compile the source again with one changed
     files: dict[str, FileEntry]  # by plain relative name: every file but the manifest
     layers: tuple[Layer, ...]
-    synthetic: dict | None    # synthetic images: {"name", "trace_model", "trace_tokens", "tiles", "note"}
+    synthetic: Synthetic | None
 
     @property
     def is_synthetic(self) -> bool:
         return self.synthetic is not None
+
+    def option(self, name: str, default=None):
+        """A compile option the image was made with (images record every option bench may change)."""
+        return self.options.get(name, default)
+
+    def mean_predictor_quality(self) -> dict:
+        """The compile-time, held-out predictor figures, averaged over layers."""
+        q = [layer.figures["predictor"] for layer in self.layers]
+        return {k: float(np.mean([x[k] for x in q])) for k in q[0] if isinstance(q[0][k], (int, float))}
 
     def dense_ffn_bytes(self) -> int:
         """What a dense step reads of the FFN at the image's precision: every bundle of every layer."""

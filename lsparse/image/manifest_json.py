@@ -19,11 +19,13 @@ from lsparse.image.manifest import (
     THRESHOLD_ON,
     VERSION,
     BundleLayout,
+    Calibration,
     FileEntry,
     Layer,
     Manifest,
     ManifestError,
     Region,
+    Synthetic,
     check_bundle,
     check_files,
     check_layers,
@@ -31,7 +33,8 @@ from lsparse.image.manifest import (
 )
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
-RECORDS = {"Region": Region, "BundleLayout": BundleLayout, "FileEntry": FileEntry, "Layer": Layer}
+RECORDS = {"Region": Region, "BundleLayout": BundleLayout, "FileEntry": FileEntry, "Layer": Layer,
+           "Calibration": Calibration, "Synthetic": Synthetic}
 
 
 def _value(value, kind: str, at: str, fail):

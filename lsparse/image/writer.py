@@ -16,6 +16,7 @@ from lsparse.errors import LsparseError
 from lsparse.image.bundles import ALIGN_REGION
 from lsparse.image.image import sha256_file
 from lsparse.image.manifest import MANIFEST, NEURONS, FileEntry, Manifest, Region
+from lsparse.image.replace import check_target, commit, locked, remove_stale
 
 
 class ImageWriter:
@@ -71,12 +72,9 @@ class ImageWriter:
 
 @contextmanager
 def writing(out, force: bool = False):
-    """An ImageWriter whose image appears at `out` when the block completes; with `force`, in place of what
-    was there."""
-    out = Path(out)
-    if out.exists() and not force:
-        raise LsparseError(f"{out} already exists (pass --force to replace it)")
-    with staging_directory(out) as tmp:
+    """An ImageWriter whose image appears at `out` when the block completes; with `force`, in place of the
+    lsparse image that was there."""
+    with staging(out, force) as tmp:
         writer = ImageWriter(tmp)
         try:
             yield writer
@@ -86,28 +84,31 @@ def writing(out, force: bool = False):
 
 
 @contextmanager
-def staging_directory(out: Path):
-    """A temporary sibling of `out` to write into; it replaces `out` when the block completes and is removed on
-    any failure."""
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
+def staging(out, force: bool, kind: str = "image"):
+    """A temporary sibling of `out` to write into (a folder for an image; for a pack, a path to write a file
+    at); it takes `out`'s place atomically when the block completes and is removed on any failure. Only an
+    lsparse image (a pack) is ever replaced, and only with `force`; one writer per path at a time."""
+    out = Path(out).absolute()
+    check_target(out, force, kind)
     try:
-        tmp.mkdir()
-        yield tmp
-        if out.exists():
-            old = out.parent / f".{out.name}.old-{os.getpid()}"
-            os.rename(out, old)
-            os.rename(tmp, out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
+        out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        raise LsparseError(f"cannot write {out}: {e.strerror or e}") from None
+    try:
+        with locked(out):
+            remove_stale(out)
+            check_target(out, force, kind)
+            tmp = out.parent / f".{out.name}.partial-{os.getpid()}"
+            if kind == "image":
+                tmp.mkdir()
+            try:
+                yield tmp
+                check_target(out, force, kind)
+                commit(tmp, out)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+                raise
+    except OSError as e:
         if e.errno == errno.ENOSPC:
             raise LsparseError(f"the disk is full while writing {out}; nothing was written") from None
-        raise LsparseError(f"cannot write {out}: {e}") from None
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        raise LsparseError(f"cannot write {out}: {e.strerror or e}") from None

@@ -32,7 +32,7 @@ class Fetcher:
         self.reader = FlashReader(path, workers=readers, direct=direct, buffer_bytes=buffer_bytes)
         self.ahead = FlashReader(path, workers=readers, direct=direct, buffer_bytes=buffer_bytes) \
             if lookahead else None
-        self.max_run = buffer_bytes - 2 * ALIGN  # a run, aligned at both ends, always fits the buffer
+        self.max_run = buffer_bytes - ALIGN  # a run of this many bytes, read as whole blocks, fits the buffer
         self._pools: dict[str, ThreadPoolExecutor] = {}
         self._views: dict[tuple[int, int], np.ndarray] = {}
 

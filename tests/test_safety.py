@@ -1,0 +1,178 @@
+"""Nothing lost: --force replaces only what lsparse wrote, atomically, one writer per path; a pack writes only
+what its manifest announced; command-line mistakes are one line; a planted native library is never loaded."""
+
+from __future__ import annotations
+
+import io
+import os
+import signal
+import tarfile
+
+import pytest
+
+from lsparse.errors import LsparseError
+from lsparse.image import replace
+from lsparse.image.image import Image
+from tests.conftest import lsparse, shared_file
+from tests.models import write_tiny_llama
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return write_tiny_llama(tmp_path_factory.mktemp("safety") / "llama",
+                            tokenizer=shared_file("stories260K/tok512.model"))
+
+
+def compile_args(checkpoint, out, *more):
+    return ("compile", str(checkpoint), "-o", str(out), "--predictor", "svd", "--calib-tokens", "512", "--bits", "16",
+            *more)
+
+
+def test_force_never_deletes_what_lsparse_did_not_write(checkpoint, tmp_path):
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    done = lsparse(*compile_args(checkpoint, mine, "--force"))
+    assert done.returncode == 1 and "is not an lsparse image" in done.stderr
+    assert (mine / "notes.txt").read_text() == "keep me"
+    before = sorted(p.name for p in checkpoint.iterdir())
+    done = lsparse(*compile_args(checkpoint, checkpoint, "--force"))  # the input itself
+    assert done.returncode == 1 and sorted(p.name for p in checkpoint.iterdir()) == before
+
+
+def test_pack_and_unpack_replace_only_packs_and_images(checkpoint, tmp_path):
+    image = tmp_path / "image"
+    assert lsparse(*compile_args(checkpoint, image)).returncode == 0
+    important = tmp_path / "important.txt"
+    important.write_text("keep me")
+    for force in ([], ["--force"]):
+        done = lsparse("pack", str(image), "-o", str(important), *force)
+        assert done.returncode == 1 and "not an lsparse pack" in done.stderr and important.read_text() == "keep me"
+    assert lsparse("pack", str(image), "-o", str(tmp_path / "a.zst")).returncode == 0
+    assert "already exists" in lsparse("pack", str(image), "-o", str(tmp_path / "a.zst")).stderr
+    assert lsparse("pack", str(image), "-o", str(tmp_path / "a.zst"), "--force").returncode == 0
+    done = lsparse("unpack", str(tmp_path / "a.zst"), "-o", str(tmp_path), "--force")  # the folder holding it
+    assert done.returncode == 1 and (tmp_path / "a.zst").exists() and important.exists()
+    assert lsparse("unpack", str(tmp_path / "a.zst"), "-o", str(image), "--force").returncode == 0
+    assert Image.open(image).verify() == []
+
+
+def test_stale_staging_of_killed_writers_is_removed(checkpoint, tmp_path):
+    image = tmp_path / "image"
+    (tmp_path / ".image.partial-999999").mkdir()
+    (tmp_path / ".image.partial-999999" / "neurons.bin").write_bytes(b"x" * 1000)
+    (tmp_path / ".image.old-999998").mkdir()
+    assert lsparse(*compile_args(checkpoint, image)).returncode == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["image"]
+
+
+def test_a_second_writer_of_one_path_is_refused(checkpoint, tmp_path):
+    with replace.locked(tmp_path / "image"):
+        done = lsparse(*compile_args(checkpoint, tmp_path / "image"))
+    assert done.returncode == 1 and "another lsparse process is writing" in done.stderr
+    assert not (tmp_path / "image").exists()
+
+
+def test_replacing_is_atomic_and_a_late_ctrl_c_loses_nothing(checkpoint, tmp_path, monkeypatch):
+    """The swap is one step: killed before it, the old image stands; after it, the new one. A Ctrl-C that
+    arrives while the swap runs is held back and let go: the image was complete."""
+    from lsparse.image.compile import CompileOptions, compile_image
+    options = CompileOptions(calib=shared_file("tinystories/validation_100.txt"), calib_tokens=512, bits=16,
+                             predictor="svd", rank=4, force=True)
+    image = tmp_path / "image"
+    old = compile_image(str(checkpoint), str(image), options)
+    real = replace._exchange
+    swaps = []
+
+    def exchange_with_ctrl_c(a, b):
+        os.kill(os.getpid(), signal.SIGINT)  # held back by commit()
+        swaps.append(real(a, b))
+        return swaps[-1]
+
+    monkeypatch.setattr(replace, "_exchange", exchange_with_ctrl_c)
+    new = compile_image(str(checkpoint), str(image), CompileOptions(**{**options.__dict__, "hot_fraction": 0.5}))
+    assert swaps == [True] and Image.open(image).verify() == []
+    assert Image.open(image).manifest.created >= old.created and new.option("hot_fraction") == 0.5
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["image"]
+
+    def killed(a, b):
+        raise KeyboardInterrupt  # as if the process died before the swap
+    monkeypatch.setattr(replace, "_exchange", killed)
+    with pytest.raises(KeyboardInterrupt):
+        compile_image(str(checkpoint), str(image), options)
+    assert Image.open(image).manifest.option("hot_fraction") == 0.5 and Image.open(image).verify() == []
+
+
+def _pack_with(tmp_path, image, extra: bytes | None = None, size_lie: bool = False):
+    """A pack of `image` as lsparse writes it, then altered: a member the manifest does not list, or a
+    neuron file longer than the manifest says."""
+    import zstandard
+    manifest = Image.open(image).manifest
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        tar.add(image / "manifest.json", arcname="manifest.json")
+        for name in manifest.files:
+            data = (image / name).read_bytes() + (b"\0" * (1 << 20) if size_lie and name == "neurons.bin" else b"")
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+        if extra is not None:
+            info = tarfile.TarInfo("payload.bin")
+            info.size = len(extra)
+            tar.addfile(info, io.BytesIO(extra))
+    path = tmp_path / "crafted.zst"
+    path.write_bytes(zstandard.ZstdCompressor().compress(raw.getvalue()))
+    return path
+
+
+def test_unpack_writes_only_what_the_manifest_announced(checkpoint, tmp_path):
+    from lsparse.image.pack import unpack
+    image = tmp_path / "image"
+    assert lsparse(*compile_args(checkpoint, image)).returncode == 0
+    for crafted in (_pack_with(tmp_path, image, extra=b"x" * 4096), _pack_with(tmp_path, image, size_lie=True)):
+        with pytest.raises(LsparseError, match="not a file of the size its manifest lists"):
+            unpack(crafted, tmp_path / "out")
+        assert not (tmp_path / "out").exists()
+        assert not any(p.name.startswith(".out.") for p in tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args", [["run", "IMG", "-m", "0"], ["run", "IMG", "--bogus"], ["run", "IMG", "-m", "abc"],
+                                  ["run", "IMG", "--window", "0"], ["run", "IMG", "--readers", "0"],
+                                  ["compile", "builtin:tinystories-reglu", "-o", "x", "--hot-fraction", "2"],
+                                  ["pack", "IMG", "--level", "0"], ["nonsense"]])
+def test_command_line_mistakes_are_one_line(args, tmp_path):
+    done = lsparse(*[str(tmp_path) if a == "IMG" else a for a in args], cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_bare_lsparse_shows_the_help(tmp_path):
+    done = lsparse(cwd=tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr and "compile" in done.stdout + done.stderr
+
+
+def test_output_under_a_file_is_one_line(checkpoint, tmp_path):
+    (tmp_path / "file").write_text("x")
+    done = lsparse(*compile_args(checkpoint, tmp_path / "file" / "x"))
+    assert done.returncode == 1 and "Traceback" not in done.stderr and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_a_library_others_can_write_is_never_loaded(tmp_path, monkeypatch):
+    from lsparse.kernels import native
+    if native.compiler() is None:
+        pytest.skip("no C compiler: no native library to plant")
+    shared = tmp_path / "cache"
+    shared.mkdir(mode=0o777)
+    os.chmod(shared, 0o777)  # as under umask 000, or a folder others share
+    monkeypatch.setattr(native, "CACHE", shared)
+    monkeypatch.setattr(native, "_loaded", {})
+    library = native.library()
+    assert library is not None and not library._name.startswith(str(shared))
+    assert not native.private(shared) and native.private(library._name)
+
+
+def test_an_empty_ram_budget_is_refused(checkpoint, tmp_path):
+    image = tmp_path / "image"
+    assert lsparse(*compile_args(checkpoint, image)).returncode == 0
+    done = lsparse("run", str(image), "--ram-budget", "", "-m", "2")
+    assert done.returncode == 1 and "--ram-budget is empty" in done.stderr
