@@ -176,3 +176,65 @@ def test_an_empty_ram_budget_is_refused(checkpoint, tmp_path):
     assert lsparse(*compile_args(checkpoint, image)).returncode == 0
     done = lsparse("run", str(image), "--ram-budget", "", "-m", "2")
     assert done.returncode == 1 and "--ram-budget is empty" in done.stderr
+
+
+@pytest.mark.parametrize("args,message", [
+    (["run", "--dense", "CKPT", "--mode", "exact"], "--mode apply to images"),
+    (["run", "--dense", "CKPT", "--ram-budget", "1GB"], "--ram-budget apply to images"),
+    (["run", "IMAGE", "--dense", "--mode", "exact"], "--dense is --mode dense"),
+    (["run", "IMAGE", "--revision", "main"], "--revision apply to checkpoints"),
+    (["run", "IMAGE", "--threshold", "nan"], "--threshold must be a finite number"),
+    (["run", "IMAGE", "--temp", "nan"], "--temp must be a number >= 0"),
+    (["run", "IMAGE", "--seed", "-1"], "--seed must be between 0"),
+    (["stats", "CKPT", "--text", "CKPT/config.json", "--levels", "5"], "--levels are shares"),
+])
+def test_options_that_cannot_apply_are_refused_not_ignored(checkpoint, tmp_path, args, message):
+    image = tmp_path / "image"
+    if "IMAGE" in args:
+        assert lsparse(*compile_args(checkpoint, image)).returncode == 0
+    done = lsparse(*[str(image) if a == "IMAGE" else a.replace("CKPT", str(checkpoint)) for a in args])
+    assert done.returncode == 1 and message in done.stderr and done.stderr.count("\n") == 1, done.stderr
+
+
+def test_a_prompt_that_is_not_utf8_and_a_long_generation_end_cleanly(checkpoint, tmp_path):
+    import subprocess
+
+    from tests.conftest import LSPARSE
+    image = tmp_path / "image"
+    assert lsparse(*compile_args(checkpoint, image)).returncode == 0
+    done = subprocess.run([str(LSPARSE), "run", str(image), "-p", b"caf\xe9".decode("utf-8", "surrogateescape"),
+                           "-m", "2"], capture_output=True, text=True)
+    assert done.returncode == 1 and "not valid UTF-8" in done.stderr
+    # the tiny model's context is 64: -m 1000 stops there, says so, and a budget is planned for the context
+    done = lsparse("run", str(image), "-m", "1000", "--ignore-chat-template")
+    assert done.returncode == 0 and "at the end of the model's context" in done.stderr
+
+
+def test_writing_where_nobody_may_write_is_one_line(checkpoint, tmp_path):
+    """/sys refuses new files even to root (a read-only folder does not, for root)."""
+    if not os.path.isdir("/sys") or os.access("/sys", os.W_OK) and os.path.exists("/sys/x.zst"):
+        pytest.skip("no /sys here")
+    image = tmp_path / "image"
+    assert lsparse(*compile_args(checkpoint, image)).returncode == 0
+    for args in (["pack", str(image), "-o", "/sys/x.zst"],
+                 ["stats", "builtin:tinystories-reglu", "--text", str(shared_file("tinystories/validation_100.txt")),
+                  "--tokens", "64", "--plot", "/sys/x.png"]):
+        done = lsparse(*args)
+        assert done.returncode == 1 and done.stderr.count("\n") == 1 and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_disk_that_fills_while_safetensors_writes_is_one_line_and_leaves_nothing(checkpoint, tmp_path,
+                                                                                    monkeypatch):
+    import safetensors.numpy
+
+    from lsparse.image.compile import CompileOptions, compile_image
+
+    def full(tensors, path):
+        raise safetensors.SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, '
+                                          'message: "No space left on device" })')
+    monkeypatch.setattr(safetensors.numpy, "save_file", full)
+    with pytest.raises(LsparseError, match="the disk is full"):
+        compile_image(str(checkpoint), str(tmp_path / "image"), CompileOptions(
+            calib=shared_file("tinystories/validation_100.txt"), calib_tokens=512, predictor="svd", rank=4,
+            bits=16))
+    assert list(tmp_path.iterdir()) == []

@@ -123,3 +123,34 @@ def test_unknown_repo_on_the_hub(tmp_path):
     with serve_repo(write_tiny_llama(tmp_path / "repo")) as (endpoint, _):
         result = lsparse("inspect", "org/other", env={"HF_HOME": str(tmp_path / "hf"), "HF_ENDPOINT": endpoint})
     assert result.returncode == 1 and "no such repository" in result.stderr
+
+
+def test_tensors_lsparse_would_not_use_are_refused_not_dropped(tmp_path):
+    """A Llama with mlp_bias decodes wrong without its FFN biases: refused by name, in dense mode and compile."""
+    from safetensors.numpy import save_file
+    folder = write_tiny_llama(tmp_path / "m", tokenizer=shared_file("stories260K/tok512.model"))
+    save_file({"model.layers.0.mlp.up_proj.bias": np.zeros(128, np.float32)}, str(folder / "extra.safetensors"))
+    for args in (["run", "--dense", str(folder), "-m", "2"], ["compile", str(folder), "-o", str(tmp_path / "i")]):
+        done = lsparse(*args)
+        assert done.returncode == 1 and "model.layers.0.mlp.up_proj.bias" in done.stderr, done.stderr
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "mlp_bias": True}))
+    done = lsparse("run", "--dense", str(folder), "-m", "2")
+    assert done.returncode == 1 and "mlp_bias" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_llama2c_header_claiming_huge_sizes_is_refused_by_its_file_size(tmp_path):
+    import time
+    path = tmp_path / "huge.bin"
+    path.write_bytes(np.array([64, 172, 2**31 - 1, 8, 4, 512, 512], dtype=np.int32).tobytes())
+    start = time.perf_counter()
+    with pytest.raises(LsparseError, match="not a checkpoint lsparse reads"):
+        resolve(str(path))
+    assert time.perf_counter() - start < 1  # refused from its size, with nothing built from the header
+
+
+def test_the_llama2c_size_rule_is_the_layouts():
+    from lsparse.source.llama2c import _floats, _layout
+    for header in [(64, 172, 5, 8, 4, 512, 512), (48, 128, 3, 6, 2, -100, 64)]:
+        shapes = _layout(*header[:5], abs(header[5]), header[6], header[5] > 0)
+        assert _floats(*header) == sum(int(np.prod(s)) for _, s in shapes)

@@ -109,3 +109,17 @@ def test_a_wheel_installs_whole(tmp_path):
 def test_presets_load_from_the_package_and_from_a_file(name):
     from lsparse.image.compile import CompileOptions, load_preset
     assert CompileOptions(**load_preset(name)).bits in (4, 8, 16)
+
+
+def test_modules_read_in_one_sitting_and_functions_fit_a_screen():
+    """No module of lsparse/ over 300 lines, no function over 60 (the brief's 'small units')."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > 300:
+            long.append(f"{path.relative_to(REPO)}: {len(text.splitlines())} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno + 1 > 60:
+                long.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}: "
+                            f"{node.end_lineno - node.lineno + 1} lines")
+    assert not long, "\n".join(long)

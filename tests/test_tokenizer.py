@@ -75,3 +75,16 @@ def test_chat_template_renders(tmp_path):
     tok.chat_template = ("{{ bos_token }}{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
                          "{% if add_generation_prompt %}<assistant>{% endif %}")
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "<|endoftext|><user>hi<assistant>"
+
+
+def test_a_chat_template_that_never_ends_is_refused():
+    import time
+
+    from lsparse.errors import LsparseError
+    tok = sentencepiece(shared_file("stories260K/tok512.model"),
+                        chat_template="{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}"
+                                      "{% endfor %}")
+    start = time.perf_counter()
+    with pytest.raises(LsparseError, match="chat template ran for more than"):
+        tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    assert time.perf_counter() - start < 10

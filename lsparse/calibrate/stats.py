@@ -15,6 +15,8 @@ from lsparse.text import limit_tokens, read_documents, token_windows
 def compute_stats(spec: str, text: str, tokens: int = 4096, window: int = 512,
                   sparsity_levels: tuple[float, ...] = (0.25, 0.5, 0.7), mask_sparsity: float = 0.5,
                   backend: str | None = None) -> dict:
+    if not all(0 <= level < 1 for level in sparsity_levels):
+        raise LsparseError(f"--levels are shares of activations to zero, each in [0, 1): got {sparsity_levels}")
     checkpoint = resolve(spec)
     if checkpoint.tokenizer is None:
         raise LsparseError(f"{checkpoint.location}: no tokenizer found")

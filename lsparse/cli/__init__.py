@@ -44,6 +44,9 @@ def _exit_for(e: Exception, kinds: dict, debug: bool):
     if isinstance(e, kinds["lsparse"]):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    if isinstance(e, OSError) and e.strerror:  # a file the user named could not be read or written
+        print(f"error: {e.filename or 'a file'}: {e.strerror}", file=sys.stderr)
+        sys.exit(1)
     raise e
 
 

@@ -21,9 +21,10 @@ def run(
     mode: Optional[str] = typer.Option(None, "--mode", help="For an image: exact (the gate resident, lossless), "
                                                             "predicted, dense, or hybrid (the whole FFN read "
                                                             "every token: a baseline). Default: exact."),
-    window: int = typer.Option(5, "--window", min=1, help="Keep the neurons of the last k tokens in RAM."),
-    threshold: float = typer.Option(0.0, "--threshold",
-                                    help="Shift of the predictor's threshold (negative: load more neurons)."),
+    window: Optional[int] = typer.Option(None, "--window", min=1,
+                                         help="Images: keep the neurons of the last k tokens in RAM [5]."),
+    threshold: Optional[float] = typer.Option(None, "--threshold", help="Images: shift of the predictor's "
+                                              "threshold (negative: load more neurons) [0]."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
     top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the smallest set with this mass."),
     seed: Optional[int] = typer.Option(None, "--seed", help="Random seed for sampling."),
@@ -38,31 +39,59 @@ def run(
                                              help="Images: plan RAM to fit, e.g. 512MB or 2GB, or refuse."),
     lookahead: bool = typer.Option(False, "--lookahead", help="Images: start reading the next layer's guessed "
                                                               "neurons while this layer computes."),
-    kernels: str = typer.Option("auto", "--kernels", help="Images: what computes the FFNs: auto (metal on a Mac, "
-                                                          "else cpu), cpu (C kernels on rows as stored), mlx "
-                                                          "(MLX's quantized kernel), metal."),
+    kernels: Optional[str] = typer.Option(None, "--kernels", help="Images: what computes the FFNs: auto (metal on "
+                                          "a Mac, else cpu), cpu (C kernels on rows as stored), mlx (MLX's quantized "
+                                          "kernel), metal [auto]."),
     packed: bool = typer.Option(False, "--packed", help="Images: the same as --kernels mlx."),
-    readers: int = typer.Option(DEFAULT_READERS, "--readers", min=1,
-                                help="Images: reader threads, each with one read in flight."),
+    readers: Optional[int] = typer.Option(None, "--readers", min=1, help="Images: reader threads, each with one "
+                                          f"read in flight [{DEFAULT_READERS}]."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
 ):
     """Generate text from a flash image (exact, predicted or dense) or, with --dense, from any checkpoint."""
     from lsparse.image.image import is_image
-    from lsparse.runtime.options import DecodeOptions, parse_budget
     from lsparse.runtime.run import run as run_model
     from lsparse.runtime.sampling import make_sampler
+    image_only = {"--mode": mode, "--window": window, "--threshold": threshold, "--ram-budget": ram_budget,
+                  "--kernels": kernels, "--packed": packed or None, "--readers": readers,
+                  "--buffered": buffered or None, "--lookahead": lookahead or None}
+    checkpoint_only = {"--revision": revision, "--tokenizer": tokenizer, "--backend": backend}
     if is_image(model):
-        options = DecodeOptions(mode="dense" if dense and mode is None else (mode or "exact"), window=window,
-                                threshold_shift=threshold, ram_budget=parse_budget(ram_budget),
-                                kernels=_kernels(kernels, packed), readers=readers, direct=not buffered,
-                                lookahead=lookahead)
+        _refuse(checkpoint_only, "apply to checkpoints, not to an image")
+        if dense and mode is not None:
+            raise LsparseError("--dense is --mode dense: give one of them")
+        options = _decode_options(mode or ("dense" if dense else "exact"), window, threshold, ram_budget, kernels,
+                                  packed, readers, buffered, lookahead)
     elif dense:
+        _refuse(image_only, "apply to images (lsparse compile makes one), not to --dense on a checkpoint")
         options = None
     else:
         raise LsparseError(f"{model} is not a flash image (lsparse compile makes one); add --dense to decode a "
                            "checkpoint with every weight in RAM")
-    run_model(model, prompt, max_tokens, options, make_sampler(temp, top_p, seed), chat=not ignore_chat_template,
-              revision=revision, tokenizer=tokenizer, backend=backend, as_json=as_json)
+    run_model(model, _text(prompt), max_tokens, options, make_sampler(temp, top_p, seed),
+              chat=not ignore_chat_template, revision=revision, tokenizer=tokenizer, backend=backend, as_json=as_json)
+
+
+def _refuse(given: dict, why: str) -> None:
+    named = [name for name, value in given.items() if value is not None]
+    if named:
+        raise LsparseError(f"{', '.join(named)} {why}")
+
+
+def _decode_options(mode, window, threshold, ram_budget, kernels, packed, readers, buffered, lookahead):
+    from lsparse.runtime.options import DecodeOptions, parse_budget
+    given = {"mode": mode, "window": window, "threshold_shift": threshold, "ram_budget": parse_budget(ram_budget),
+             "kernels": _kernels(kernels or "auto", packed), "readers": readers, "direct": not buffered,
+             "lookahead": lookahead}
+    return DecodeOptions(**{k: v for k, v in given.items() if v is not None})
+
+
+def _text(prompt: str) -> str:
+    """The prompt as the terminal gave it; bytes that are not UTF-8 arrive as lone surrogates."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError:
+        raise LsparseError("the prompt is not valid UTF-8 text") from None
+    return prompt
 
 
 def _kernels(kernels: str, packed: bool) -> str:

@@ -29,7 +29,7 @@ from lsparse.image.manifest import BundleLayout, Calibration, Layer, Manifest
 from lsparse.image.quantize import check, row_bytes
 from lsparse.image.replace import check_target
 from lsparse.image.writer import writing
-from lsparse.model import architecture
+from lsparse.model import architecture, check_tensors
 from lsparse.model.layers import silu
 from lsparse.source import resolve
 from lsparse.text import limit_tokens, read_documents, token_windows
@@ -202,6 +202,7 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None, t
     if checkpoint.tokenizer is None:
         raise LsparseError(f"{checkpoint.location}: no tokenizer found; an image needs one")
     arch, args = architecture(checkpoint.config)
+    check_tensors(checkpoint, arch, args)
     check(args.hidden_size, options.bits, options.group_size)
     windows, train_n = _calibration_windows(checkpoint.tokenizer, options)
 

@@ -32,8 +32,15 @@ class ImageWriter:
         return self.root / name
 
     def save_resident(self, name: str, tensors: dict[str, np.ndarray]) -> None:
+        from safetensors import SafetensorError
         from safetensors.numpy import save_file
-        save_file(tensors, str(self.root / "resident" / f"{name}.safetensors"))
+        path = self.root / "resident" / f"{name}.safetensors"
+        try:
+            save_file(tensors, str(path))
+        except SafetensorError as e:  # its I/O failures are not OSErrors: a full disk, told as one
+            full = "StorageFull" in str(e) or "No space left" in str(e)
+            raise OSError(errno.ENOSPC if full else errno.EIO, "No space left on device" if full else str(e),
+                          str(path)) from None
 
     def append_region(self, bundles: np.ndarray) -> Region:
         """A layer's cold bundles (count, stride) uint8, in file order, appended to neurons.bin at the next

@@ -61,6 +61,26 @@ def _load(checkpoint: Checkpoint, names: dict[str, str], xp) -> dict:
     return {short: xp.array(np.ascontiguousarray(checkpoint.tensors.get(name))) for short, name in names.items()}
 
 
+# Tensors a checkpoint may hold that follow from others: RoPE's inverse frequencies (older Llama checkpoints)
+DERIVED = (".rotary_emb.inv_freq", ".attn.masked_bias", ".attn.bias")
+
+
+def check_tensors(checkpoint: Checkpoint, arch, args) -> None:
+    """Every tensor of the checkpoint is one the architecture computes with, or the checkpoint is refused:
+    weights dropped silently would decode wrong (a bias lsparse does not add, say)."""
+    available = set(checkpoint.tensors.names())
+    used = set(arch.global_tensor_names(args, available).values())
+    for i in range(args.num_hidden_layers):
+        used |= set(arch.layer_tensor_names(args, i, available).values())
+    if getattr(args, "tie_word_embeddings", False):
+        used.add("lm_head.weight")  # tied: the head is the embedding, as transformers computes it
+    unused = sorted(n for n in available - used if not n.endswith(DERIVED))
+    if unused:
+        raise LsparseError(f"{checkpoint.location}: {len(unused)} tensor(s) lsparse would not use, such as "
+                           f"{unused[0]}: this model's variant is not supported (decoding without them would be "
+                           "wrong)")
+
+
 def load_layer(checkpoint: Checkpoint, arch, args, i: int, xp=np) -> dict:
     """One block's weights: calibration holds one layer at a time, never the whole model."""
     return _load(checkpoint, arch.layer_tensor_names(args, i, set(checkpoint.tensors.names())), xp)
@@ -74,5 +94,6 @@ def load_globals(checkpoint: Checkpoint, arch, args, xp=np) -> dict:
 def load_model(checkpoint: Checkpoint, backend: str | None = None) -> Model:
     xp = array_module(backend or default_backend())
     arch, args = architecture(checkpoint.config)
+    check_tensors(checkpoint, arch, args)
     layers = [load_layer(checkpoint, arch, args, i, xp) for i in range(args.num_hidden_layers)]
     return Model(arch, args, load_globals(checkpoint, arch, args, xp), layers, xp)

@@ -49,6 +49,9 @@ class ModelArgs:
     @classmethod
     def from_config(cls, config: dict) -> "ModelArgs":
         act = config.get("hidden_act", "silu")
+        if config.get("mlp_bias"):
+            raise LsparseError("mlp_bias (biases on the gate, up and down projections) is not supported: lsparse "
+                               "would decode this model wrong")
         if act not in ACTIVATIONS:
             raise LsparseError(f"unsupported FFN activation {act!r} for a Llama-family model "
                                f"(supported: {', '.join(ACTIVATIONS)})")

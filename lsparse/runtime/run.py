@@ -7,6 +7,7 @@ import sys
 
 from lsparse.errors import LsparseError
 from lsparse.image.image import Image
+from lsparse.model import architecture
 from lsparse.runtime.generate import stream_generate
 from lsparse.runtime.options import DecodeOptions
 
@@ -41,7 +42,8 @@ def run(spec: str, prompt: str, max_tokens: int, options: DecodeOptions | None, 
         from lsparse.runtime.load import load_image
         image = Image.open(spec)
         ids = encode_prompt(image.tokenizer(), prompt, chat)
-        model, tok = load_image(image, options.but(context=len(ids) + max_tokens))
+        context = min(len(ids) + max_tokens, architecture(image.manifest.config)[1].max_position_embeddings)
+        model, tok = load_image(image, options.but(context=context))
         backend, where = model.kernels.name, spec
     text, tokens, last = [], [], None
     try:
@@ -69,6 +71,9 @@ def run(spec: str, prompt: str, max_tokens: int, options: DecodeOptions | None, 
         out.write(json.dumps(result) + "\n")
     else:
         print_report(result, out)
+        if last.finish_reason == "context":
+            print(f"note: stopped after {last.generation_tokens} tokens, at the end of the model's context",
+                  file=sys.stderr)
     return result
 
 

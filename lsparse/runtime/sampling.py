@@ -8,10 +8,12 @@ from lsparse.errors import LsparseError
 
 
 def make_sampler(temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None):
-    if temperature < 0:
-        raise LsparseError(f"--temp must be >= 0, got {temperature}")
+    if not temperature >= 0 or temperature == float("inf"):  # nan fails every comparison
+        raise LsparseError(f"--temp must be a number >= 0, got {temperature}")
     if not 0 < top_p <= 1:
         raise LsparseError(f"--top-p must be in (0, 1], got {top_p}")
+    if seed is not None and not 0 <= seed < 2**63:
+        raise LsparseError(f"--seed must be between 0 and 2^63 - 1, got {seed}")
     rng = np.random.default_rng(seed)
 
     def sample(logits: np.ndarray) -> int:

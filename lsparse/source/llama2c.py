@@ -80,9 +80,16 @@ def read_header(path: Path) -> tuple[int, ...] | None:
         return None
     if n_heads % n_kv_heads or (dim // n_heads) % 2:
         return None
-    layout = _layout(dim, hidden, n_layers, n_heads, n_kv_heads, abs(vocab), seq_len, vocab > 0)
-    expected = HEADER_BYTES + 4 * sum(int(np.prod(shape)) for _, shape in layout)
-    return header if size == expected else None
+    return header if size == HEADER_BYTES + 4 * _floats(*header) else None
+
+
+def _floats(dim, hidden, n_layers, n_heads, n_kv_heads, vocab, seq_len) -> int:
+    """The floats a header declares, counted before anything is built from it (a header may claim 2^31
+    layers: its file size, not memory, refuses it). Equals the sum over _layout's shapes."""
+    kv_dim = n_kv_heads * (dim // n_heads)
+    per_layer = 2 * dim + 2 * dim * dim + 2 * kv_dim * dim + 3 * hidden * dim
+    classifier = 0 if vocab > 0 else abs(vocab) * dim
+    return abs(vocab) * dim + n_layers * per_layer + dim + 2 * seq_len * (dim // n_heads // 2) + classifier
 
 
 def open_llama2c(path: Path, tokenizer_path: Path | None = None) -> Checkpoint:

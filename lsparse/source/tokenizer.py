@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+from contextlib import contextmanager
 from pathlib import Path
 
 from lsparse.errors import LsparseError
@@ -56,11 +58,36 @@ class Tokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = raise_exception
         try:
-            return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=True,
-                bos_token=self.special.get("bos_token", ""), eos_token=self.special.get("eos_token", ""))
+            with time_limit(TEMPLATE_SECONDS, "the chat template"):
+                return env.from_string(self.chat_template).render(
+                    messages=messages, add_generation_prompt=True,
+                    bos_token=self.special.get("bos_token", ""), eos_token=self.special.get("eos_token", ""))
         except TemplateError as e:
             raise LsparseError(f"the chat template failed: {e}") from None
+
+
+TEMPLATE_SECONDS = 2.0  # a real template renders in milliseconds; a template that loops for ever must not hang
+
+
+@contextmanager
+def time_limit(seconds: float, what: str):
+    """An LsparseError if the block runs longer than `seconds` (a timer signal; in the main thread only, where
+    Python runs signal handlers, and only where the OS has interval timers)."""
+    import threading
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum, frame):
+        raise LsparseError(f"{what} ran for more than {seconds:g} s; refused")
+
+    previous = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def _token_text(value) -> str | None:
