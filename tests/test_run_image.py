@@ -341,3 +341,38 @@ def test_every_read_buffer_is_the_plans(relu_image):
         ffn.fetcher = small.fetcher
     np.testing.assert_array_equal(logits(small, tokens), want)
     assert sum(s.requests for s in small.costs.steps) >= sum(s.requests for s in model.costs.steps)
+
+
+@pytest.mark.slow
+def test_the_first_device_measurement_fits_under_a_cap_equal_to_the_budget(tmp_path, monkeypatch):
+    """A neuron file of 64 MB or more is measured on its first run (the gap rule). That measurement reads into
+    the reader's planned buffer, so a run under a hard cap equal to the smallest budget the plan accepts
+    finishes (it was OOM-killed when the measurement took a buffer of its own)."""
+    import os
+    import subprocess
+    import sys
+
+    from lsparse.bench import memcap, synthetic
+    from lsparse.image.image import Image
+    from lsparse.runtime.device import MIN_FILE_BYTES
+    from lsparse.runtime.options import DecodeOptions
+    from lsparse.runtime.plan import plan
+    if not memcap.available():
+        pytest.skip("needs root and the cgroup v1 memory controller")
+    monkeypatch.setitem(synthetic.GEOMETRIES, "test-85mb",
+                        {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 16})
+    image = tmp_path / "image"
+    synthetic.write_synthetic("test-85mb", image, trace_tokens=256)
+    assert (image / "neurons.bin").stat().st_size >= MIN_FILE_BYTES
+    budget = plan(Image.open(image).manifest, None, DecodeOptions(mode="predicted", context=40)).smallest_budget
+    fd = os.open(image / "neurons.bin", os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # pages cached by the writer would escape the cap
+    os.close(fd)
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}  # no measurement kept: this run measures
+    done = subprocess.run([sys.executable, "-m", "lsparse.bench.memcap", str(budget), "--", str(LSPARSE), "run",
+                           str(image), "--mode", "predicted", "-m", "8", "--ram-budget", str(budget), "--json",
+                           "--ignore-chat-template", "-p", "Once upon a time"], capture_output=True, text=True,
+                          env=env, timeout=600)
+    report = json.loads(done.stderr.strip().splitlines()[-1])
+    assert done.returncode == 0 and not report["oom_killed"], done.stderr
+    assert json.loads(done.stdout)["flash"]["gap_rule"] == "measured" and report["peak_bytes"] <= budget

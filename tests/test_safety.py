@@ -4,6 +4,7 @@ what its manifest announced; command-line mistakes are one line; a planted nativ
 from __future__ import annotations
 
 import io
+import json
 import os
 import signal
 import tarfile
@@ -238,3 +239,44 @@ def test_a_disk_that_fills_while_safetensors_writes_is_one_line_and_leaves_nothi
             calib=shared_file("tinystories/validation_100.txt"), calib_tokens=512, predictor="svd", rank=4,
             bits=16))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_row_checksums_in_c_are_the_definition():
+    import numpy as np
+
+    from lsparse.image.bundles import row_sums
+    from lsparse.kernels import native
+    row = np.array([1, 0, 0, 0, 2, 0, 0, 0, 255, 255, 255, 255], dtype=np.uint8)  # words 1, 2, 2^32 - 1
+    assert row_sums(row[None])[0] == 1 * 1 + 2 * 3 + (2**32 - 1) * 5
+    rows = np.random.default_rng(0).integers(0, 256, (50, 3, 36), dtype=np.uint8)
+    np.testing.assert_array_equal(native.row_sums(rows), row_sums(rows))
+
+
+@pytest.mark.parametrize("mode", ["exact", "predicted", "hybrid", "dense"])
+@pytest.mark.parametrize("damage", ["one byte", "random bytes", "another layout"])
+def test_a_damaged_or_foreign_neuron_file_stops_the_run(checkpoint, tmp_path, mode, damage):
+    import shutil
+
+    import numpy as np
+    image = tmp_path / "image"
+    assert lsparse(*compile_args(checkpoint, image)).returncode == 0
+    want = json.loads(lsparse("run", str(image), "--mode", mode, "-m", "12", "--json").stdout)["tokens"]
+    neurons = bytearray((image / "neurons.bin").read_bytes())
+    region = Image.open(image).manifest.layers[1].region
+    if damage == "one byte":
+        neurons[region.offset + 7] ^= 0x10
+    elif damage == "random bytes":
+        neurons[region.offset:region.offset + region.size] = np.random.default_rng(0).bytes(region.size)
+    else:
+        assert lsparse(*compile_args(checkpoint, tmp_path / "natural", "--layout", "natural")).returncode == 0
+        neurons = (tmp_path / "natural" / "neurons.bin").read_bytes()
+        assert len(neurons) == (image / "neurons.bin").stat().st_size
+    (image / "neurons.bin").write_bytes(bytes(neurons))
+    done = lsparse("run", str(image), "--mode", mode, "-m", "12", "--json")
+    if done.returncode == 0:  # only bundles this run never read were damaged: the output must not change
+        assert json.loads(done.stdout)["tokens"] == want
+    else:
+        assert done.returncode == 1 and "does not match its checksum" in done.stderr and "Traceback" not in \
+            done.stderr, done.stderr
+    assert damage == "one byte" or done.returncode == 1  # a whole layer's bundles: some are always read
+    shutil.rmtree(tmp_path / "natural", ignore_errors=True)

@@ -107,7 +107,8 @@ def _shared_neuron_file(shared: Path, n_layers: int, d: int, f: int, bits: int, 
 
 
 def _synthetic_layer(index: int, d: int, trace: Trace, masks: np.ndarray, hot_fraction: float, layout: str,
-                     neuron_file: Path, offset: int, pattern: np.ndarray, writer, rng, wr) -> Layer:
+                     neuron_file: Path, offset: int, pattern: np.ndarray, pattern_sums: np.ndarray, writer, rng,
+                     wr) -> Layer:
     """One layer: its hot set and cold order from the replayed masks, its resident tensors written."""
     from lsparse.calibrate.layout import coactivation_order
     from lsparse.calibrate.residency import hot_set
@@ -131,7 +132,9 @@ def _synthetic_layer(index: int, d: int, trace: Trace, masks: np.ndarray, hot_fr
     writer.save_resident(f"layer-{index:03d}", {
         **{k: (wr.standard_normal(shape) * 0.02).astype(np.float16) for k, shape in attention.items()},
         "input_norm": np.ones(d, np.float16), "post_norm": np.ones(d, np.float16),
-        "hot_bundles": np.ascontiguousarray(np.resize(pattern, (len(hot), stride)))})
+        "hot_bundles": np.ascontiguousarray(np.resize(pattern, (len(hot), stride))),
+        # (n_cold, 3): position p of a region holds pattern bundle p mod PATTERN_NEURONS
+        "cold_row_sums": pattern_sums[np.arange(len(cold_order)) % len(pattern)]})
     per_token = active.mean(1)
     return Layer(index=index, d_ff=f, hot=hot, cold_order=cold_order, region=region, threshold=0.0,
                  threshold_on="gate", predictor_rank=None, predictor_threshold=None,
@@ -146,6 +149,7 @@ def write_synthetic(name: str, out, bits: int = 4, hot_fraction: float = 0.1, la
     """Write the synthetic image `name` to `out` (returns its Manifest); the neuron file of each precision is
     kept once in `shared` (default: beside `out`) and hard-linked in, so that the ladder's variants cost no
     more disk."""
+    from lsparse.image.bundles import row_sums
     from lsparse.image.bundles import stride as bundle_stride
     from lsparse.image.manifest import BundleLayout
     from lsparse.image.quantize import check, row_bytes
@@ -167,6 +171,8 @@ def write_synthetic(name: str, out, bits: int = 4, hot_fraction: float = 0.1, la
     offsets = rng.integers(0, t_len, tiles)
     neuron_file, file_meta, pattern = _shared_neuron_file(Path(shared or out.parent / f".{name}-neurons"),
                                                           n_layers, d, f, bits, seed, progress)
+    rb = row_bytes(d, bits, 64)
+    pattern_sums = row_sums(pattern[:, :len(BUNDLE) * rb].reshape(-1, len(BUNDLE), rb))  # (PATTERN_NEURONS, 3)
     with writing(out, force=True) as writer:
         writer.link_neurons(neuron_file, file_meta["sha256"])
         tokenizer.save(writer.root)
@@ -179,7 +185,7 @@ def write_synthetic(name: str, out, bits: int = 4, hot_fraction: float = 0.1, la
         layers = []
         for index in range(n_layers):
             layers.append(_synthetic_layer(index, d, trace, masks, hot_fraction, layout, neuron_file,
-                                           file_meta["offsets"][index], pattern, writer, rng, wr))
+                                           file_meta["offsets"][index], pattern, pattern_sums, writer, rng, wr))
             if progress:
                 progress(f"{name}: layer {index + 1}/{n_layers}")
         return writer.finish(

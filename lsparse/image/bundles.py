@@ -31,6 +31,19 @@ def encode_bundles(weights: dict, components: tuple, neurons: np.ndarray, bits: 
     return out
 
 
+def row_sums(rows: np.ndarray) -> np.ndarray:
+    """rows (..., row bytes) uint8, row bytes a multiple of 4 -> (...) uint64: each row's checksum, the sum of
+    its little-endian 32-bit words, word i weighted by 2i + 1, modulo 2^64 (odd weights: a change to any one
+    word changes the sum). Compile records it for every cold row; the runtime checks rows as they arrive."""
+    words = np.ascontiguousarray(rows).view("<u4")
+    weights = np.arange(1, 2 * words.shape[-1], 2, dtype=np.uint64)
+    out = np.empty(words.shape[:-1], dtype=np.uint64)
+    flat, sums = words.reshape(-1, words.shape[-1]), out.reshape(-1)
+    for start in range(0, len(flat), 4096):  # in chunks: the uint64 copy of a chunk is all that is made
+        sums[start:start + 4096] = (flat[start:start + 4096].astype(np.uint64) * weights).sum(axis=1)
+    return out
+
+
 def decode_bundles(data: np.ndarray, components: tuple, d_model: int, bits: int, group_size: int) -> dict:
     """{component: (n, d_model) float32} from (n, >= len(components) rows) bundle bytes."""
     rb = row_bytes(d_model, bits, group_size)

@@ -24,7 +24,7 @@ from lsparse.calibrate.predictors import (
 )
 from lsparse.calibrate.residency import hot_set, neuron_scores
 from lsparse.errors import LsparseError
-from lsparse.image.bundles import component_rows, decode_bundles, encode_bundles, read_stats, stride
+from lsparse.image.bundles import component_rows, decode_bundles, encode_bundles, read_stats, row_sums, stride
 from lsparse.image.manifest import BundleLayout, Calibration, Layer, Manifest
 from lsparse.image.quantize import check, row_bytes
 from lsparse.image.replace import check_target
@@ -175,6 +175,8 @@ def _compile_layer(cal, arch, args, options: CompileOptions, train_n: int, write
     resident.update({name: w[name].astype(np.float32) for name in ("up_bias", "down_bias") if name in w})
     resident["hot_bundles"] = np.ascontiguousarray(bundles[hot])
     resident["exact_rows"] = np.ascontiguousarray(bundles[:, k * rb:(k + 1) * rb])
+    n_rows = len(arch.BUNDLE)
+    resident["cold_row_sums"] = row_sums(bundles[cold_order, :n_rows * rb].reshape(-1, n_rows, rb))  # (n_cold, rows)
     writer.save_resident(f"layer-{cal.index:03d}", {**resident, **predictor})
 
     held = layer_stats(active[ho], [active[ho].shape[0]])

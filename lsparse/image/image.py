@@ -54,13 +54,24 @@ class Image:
         return self.path / name
 
     def resident(self, name: str) -> dict[str, np.ndarray]:
-        """A resident file's tensors ("globals" or "layer-NNN"): bundle bytes as uint8, the rest as float32."""
+        """A resident file's tensors ("globals" or "layer-NNN"): bundle bytes as uint8 and checksums as uint64
+        as stored, the rest as float32."""
         from lsparse.source.safetensors_store import SafetensorsFile
         f = SafetensorsFile(self.file(f"resident/{name}.safetensors"))
-        return {t: f.get(t, as_float=f.entries[t][0] != "U8") for t in f.entries}
+        return {t: f.get(t, as_float=f.entries[t][0] not in ("U8", "U64")) for t in f.entries}
 
     def layer_tensors(self, index: int) -> dict[str, np.ndarray]:
-        return self.resident(f"layer-{index:03d}")
+        """A layer's resident tensors, those every image has checked against the manifest's shapes."""
+        tensors = self.resident(f"layer-{index:03d}")
+        layer, b = self.manifest.layers[index], self.manifest.bundle
+        shapes = {"hot_bundles": ((len(layer.hot), b.stride), np.uint8),
+                  "cold_row_sums": ((layer.region.count, len(b.components)), np.uint64)}
+        for name, (shape, dtype) in shapes.items():
+            t = tensors.get(name)
+            if t is None or t.shape != shape or t.dtype != dtype:
+                raise LsparseError(f"{self.path}: resident/layer-{index:03d}.safetensors has no {name} of shape "
+                                   f"{shape}: not an image this lsparse wrote (compile it again)")
+        return tensors
 
     def tokenizer(self):
         from lsparse.source.tokenizer import from_folder

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 NATIVE = Path(__file__).parent / "native"
-SOURCES = (NATIVE / "gather.c", NATIVE / "read.c")
+SOURCES = (NATIVE / "gather.c", NATIVE / "read.c", NATIVE / "sums.c")
 # -ffast-math lets the compiler reorder the float sums, which vectorizing them needs
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-shared", "-fPIC")
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lsparse" / "native"
@@ -70,6 +70,21 @@ def private(path: Path) -> bool:
     except OSError:
         return False
     return st.st_uid == os.geteuid() and not st.st_mode & 0o022
+
+
+def row_sums(rows: np.ndarray) -> np.ndarray:
+    """rows (n, k, row bytes) uint8 -> (n, k) uint64 checksums (lsparse/image/bundles.py row_sums, in C)."""
+    from lsparse.image.bundles import row_sums as numpy_row_sums
+    lib = library()
+    if lib is None:
+        return numpy_row_sums(rows)
+    rows = np.ascontiguousarray(rows)
+    out = np.empty(rows.shape[:-1], dtype=np.uint64)
+    fn = lib.lsparse_row_sums
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    fn.restype = None
+    fn(rows.ctypes.data, out.size, rows.shape[-1], out.ctypes.data)
+    return out
 
 
 def _build():

@@ -11,7 +11,33 @@ import numpy as np
 
 from lsparse.errors import LsparseError
 from lsparse.image.bundles import coalesce
+from lsparse.image.manifest import NEURONS
+from lsparse.kernels.native import row_sums
 from lsparse.runtime.reader import ALIGN, FlashReader
+
+
+class RowCheck:
+    """One layer's cold rows against the checksums compile recorded (a resident tensor, itself checked when
+    the run starts), each bundle the first time this run reads it: a damaged or foreign neuron file stops the
+    run with one line instead of changing its output."""
+
+    def __init__(self, sums: np.ndarray, rows_read: int, row_bytes: int, layer: int):
+        self.sums = np.ascontiguousarray(sums[:, :rows_read])  # (n_cold, rows_read) uint64
+        self.rows_read, self.row_bytes, self.layer = rows_read, row_bytes, layer
+        self.checked = np.zeros(len(sums), dtype=bool)          # (n_cold,) read and found intact this run
+
+    def __call__(self, positions: np.ndarray, rows: np.ndarray) -> None:
+        """rows (n, at least rows_read x row bytes) uint8: the bundles at these positions of the region."""
+        new = np.flatnonzero(~self.checked[positions])
+        if not len(new):
+            return
+        got = row_sums(rows[new, : self.rows_read * self.row_bytes].reshape(len(new), self.rows_read, -1))
+        bad = (got != self.sums[positions[new]]).any(axis=1)
+        if bad.any():
+            raise LsparseError(f"{NEURONS}: layer {self.layer}'s bundle {int(positions[new][bad][0])} does not "
+                               "match its checksum: the neuron file is damaged or not this image's (lsparse verify "
+                               "tells more)")
+        self.checked[positions[new]] = True
 
 
 @dataclass

@@ -10,7 +10,7 @@ import numpy as np
 from lsparse.image.manifest import Layer
 from lsparse.runtime.cache import NeuronCache
 from lsparse.runtime.costs import CostLog, timed
-from lsparse.runtime.fetch import Fetched, Fetcher
+from lsparse.runtime.fetch import Fetched, Fetcher, RowCheck
 from lsparse.runtime.ffn import NeuronProducts
 
 # A layer whose hot neurons hold this many weights or more computes them while its cold reads are in flight;
@@ -20,9 +20,9 @@ OVERLAP_MIN_WEIGHTS = 1 << 20
 
 class PagedFFN:
     def __init__(self, layer: Layer, products: NeuronProducts, hot_rows: dict, predictor, cache: NeuronCache,
-                 fetcher: Fetcher, rows_read: tuple[str, ...], costs: CostLog):
+                 fetcher: Fetcher, check: RowCheck, rows_read: tuple[str, ...], costs: CostLog):
         self.layer, self.products, self.hot_rows, self.predictor = layer, products, hot_rows, predictor
-        self.cache, self.fetcher, self.rows_read, self.costs = cache, fetcher, rows_read, costs
+        self.cache, self.fetcher, self.check, self.rows_read, self.costs = cache, fetcher, check, rows_read, costs
         self.position = np.full(layer.d_ff, -1, dtype=np.int64)  # (d_ff,) a cold neuron's place in its region
         self.position[layer.cold_order] = np.arange(len(layer.cold_order))
         self.is_cold = self.position >= 0
@@ -74,6 +74,7 @@ class PagedFFN:
         else:
             fetched = self.fetcher.read(self.layer.region.offset, positions, self.prefix)
         waited = time.perf_counter() - started - hot_s
+        self.check(positions, fetched.rows)
         self._count(fetched, len(missing), cost)
         self._place(missing, self._block(fetched), extra)
         return hot_out, waited, hot_s
@@ -101,8 +102,12 @@ class PagedFFN:
         want = want[self.cache.slot_of[want] < 0]
         if len(want):
             want = want[np.argsort(self.position[want])]
-            self.pending = self.fetcher.start_ahead(self.layer.region.offset, self.position[want], self.prefix,
-                                                    lambda fetched: (want, fetched, self._block(fetched)))
+            positions = self.position[want]
+
+            def checked(fetched):
+                self.check(positions, fetched.rows)
+                return want, fetched, self._block(fetched)
+            self.pending = self.fetcher.start_ahead(self.layer.region.offset, positions, self.prefix, checked)
 
     def _use_read_ahead(self, missing: np.ndarray, extra: list, cost) -> tuple[np.ndarray, float]:
         """The rows a lookahead brought stand in for reads: (the neurons still missing after them, the seconds

@@ -9,7 +9,7 @@ import numpy as np
 
 from lsparse.image.manifest import Layer
 from lsparse.runtime.costs import CostLog, timed
-from lsparse.runtime.fetch import Fetcher
+from lsparse.runtime.fetch import Fetcher, RowCheck
 from lsparse.runtime.ffn import NeuronProducts
 
 HYBRID_READ_BYTES = 1 << 20  # hybrid streams each region in requests of this size, spread over the readers
@@ -27,9 +27,9 @@ class DenseFFN:
 
 
 class StreamedFFN:
-    def __init__(self, layer: Layer, products: NeuronProducts, hot_rows: dict, fetcher: Fetcher,
+    def __init__(self, layer: Layer, products: NeuronProducts, hot_rows: dict, fetcher: Fetcher, check: RowCheck,
                  components: tuple[str, ...], costs: CostLog):
-        self.layer, self.products, self.hot_rows, self.fetcher = layer, products, hot_rows, fetcher
+        self.layer, self.products, self.hot_rows, self.fetcher, self.check = layer, products, hot_rows, fetcher, check
         self.components, self.costs = components, costs
         self.stride = fetcher.stride
 
@@ -40,7 +40,9 @@ class StreamedFFN:
         starts = np.arange(0, region.size, HYBRID_READ_BYTES)
         lengths = np.minimum(HYBRID_READ_BYTES, region.size - starts)
         fetched = self.fetcher.read_spans(region.offset + starts, lengths)  # (region bytes,) in file order
-        rows = self.products.hold(fetched.rows.reshape(region.count, self.stride), self.components)
+        bundles = fetched.rows.reshape(region.count, self.stride)
+        self.check(np.arange(region.count), bundles)
+        rows = self.products.hold(bundles, self.components)
         cost.bytes_needed += region.size
         cost.bytes_read += fetched.transferred
         cost.requests += fetched.requests

@@ -12,7 +12,7 @@ from lsparse.model import Model, architecture
 from lsparse.runtime import predictors
 from lsparse.runtime.cache import NeuronCache
 from lsparse.runtime.costs import CostLog, flash_report
-from lsparse.runtime.fetch import Fetcher
+from lsparse.runtime.fetch import Fetcher, RowCheck
 from lsparse.runtime.ffn import Activation, NeuronProducts
 from lsparse.runtime.ffn_paged import PagedFFN
 from lsparse.runtime.ffn_streamed import DenseFFN, StreamedFFN
@@ -76,7 +76,7 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
     for layer in m.layers:
         resident = image.layer_tensors(layer.index)
         layers.append({k: v.astype(np.float32) for k, v in resident.items()
-                       if v.dtype != np.uint8 and k not in predictors.PREDICTOR_TENSORS})
+                       if v.dtype.kind == "f" and k not in predictors.PREDICTOR_TENSORS})
         ffns.append(_layer_ffn(image, layer, resident, options, arch, args, backend, memory, fetcher, trace, costs))
     if options.lookahead:
         for this, nxt in zip(ffns, ffns[1:], strict=False):
@@ -118,22 +118,24 @@ def _layer_ffn(image, layer, resident, options, arch, args, backend, memory, fet
     b = image.manifest.bundle
     activation = Activation.of(layer, arch, args, options.mode)
     products = NeuronProducts(backend, arch, b.d_model, activation, resident)
+    rows_read = b.components[: b.exact_prefix] if options.mode == "exact" else b.components
+    check = RowCheck(resident["cold_row_sums"], len(rows_read), b.row_bytes, layer.index)
     if options.mode == "dense":
         r = layer.region
         with open(image.neurons, "rb") as f:
             f.seek(r.offset)
             cold = np.frombuffer(f.read(r.size), dtype=np.uint8).reshape(r.count, b.stride)
+        check(np.arange(r.count), cold)
         bundles = np.concatenate([resident["hot_bundles"], cold])  # (d_ff, stride) in hot then file order
         return DenseFFN(np.concatenate([layer.hot, layer.cold_order]), products,
                         products.hold(bundles, b.components), costs)
     hot_rows = products.hold(resident["hot_bundles"], b.components)
     if options.mode == "hybrid":
-        return StreamedFFN(layer, products, hot_rows, fetcher, b.components, costs)
+        return StreamedFFN(layer, products, hot_rows, fetcher, check, b.components, costs)
     exact_rows = None
     if options.mode == "exact":  # only exact mode holds the whole gate
         exact_rows = products.hold(resident["exact_rows"], (arch.EXACT_PROJECTION,))[arch.EXACT_PROJECTION]
     predictor = predictors.choose(image.manifest, layer, options.mode, resident, exact_rows, backend, activation,
                                   trace, options.threshold_shift)
-    rows_read = b.components[: b.exact_prefix] if options.mode == "exact" else b.components
     cache = NeuronCache(layer.d_ff, memory.cache_slots[layer.index], len(rows_read), options.window, backend)
-    return PagedFFN(layer, products, hot_rows, predictor, cache, fetcher, rows_read, costs)
+    return PagedFFN(layer, products, hot_rows, predictor, cache, fetcher, check, rows_read, costs)

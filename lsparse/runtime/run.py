@@ -33,8 +33,10 @@ def _load_checkpoint(spec: str, revision, tokenizer_file, backend):
 
 def run(spec: str, prompt: str, max_tokens: int, options: DecodeOptions | None, sample, *, chat: bool = True,
         revision: str | None = None, tokenizer: str | None = None, backend: str | None = None,
-        as_json: bool = False, out=sys.stdout) -> dict:
-    """`options` None: dense decoding of a checkpoint (every weight in RAM); else decoding from an image."""
+        as_json: bool = False, out=None) -> dict:
+    """`options` None: dense decoding of a checkpoint (every weight in RAM); else decoding from an image.
+    Text streams to `out` (None: standard output as it is when called)."""
+    out = out or sys.stdout
     if options is None:
         model, tok, where, backend = _load_checkpoint(spec, revision, tokenizer, backend)
         ids = encode_prompt(tok, prompt, chat)

@@ -15,7 +15,7 @@ from lsparse.errors import LsparseError
 from lsparse.source.checkpoint import read_json
 
 DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
-          "I8": "i1", "U8": "u1", "BOOL": "?"}
+          "I8": "i1", "U8": "u1", "U64": "<u8", "BOOL": "?"}
 MAX_HEADER = 100 * 2**20
 
 
