@@ -280,3 +280,38 @@ def test_a_damaged_or_foreign_neuron_file_stops_the_run(checkpoint, tmp_path, mo
             done.stderr, done.stderr
     assert damage == "one byte" or done.returncode == 1  # a whole layer's bundles: some are always read
     shutil.rmtree(tmp_path / "natural", ignore_errors=True)
+
+
+def test_a_budget_is_planned_for_the_context_the_run_can_reach(checkpoint, tmp_path):
+    """-m 100000 on a model of 64 tokens of context needs no more RAM than -m 56: it was refused before."""
+    from lsparse.runtime.options import DecodeOptions
+    from lsparse.runtime.plan import plan
+    image = tmp_path / "image"
+    assert lsparse(*compile_args(checkpoint, image)).returncode == 0
+    budget = plan(Image.open(image).manifest, None, DecodeOptions(context=64)).smallest_budget
+    for tokens in ("56", "100000"):
+        done = lsparse("run", str(image), "-m", tokens, "--ram-budget", str(budget), "--kernels", "reference")
+        assert done.returncode == 0, done.stderr
+
+
+def test_a_deleted_tokenizer_is_one_line(checkpoint, tmp_path):
+    image = tmp_path / "image"
+    assert lsparse(*compile_args(checkpoint, image)).returncode == 0
+    (image / "tokenizer.model").unlink()
+    done = lsparse("run", str(image), "-m", "2")
+    assert done.returncode == 1 and "tokenizer.model: missing" in done.stderr and done.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.15, 0.3, 0.5])
+def test_ctrl_c_during_start_up_is_one_line(checkpoint, tmp_path, delay):
+    import subprocess
+    import time
+
+    from tests.conftest import LSPARSE
+    process = subprocess.Popen([str(LSPARSE), "run", "--dense", str(checkpoint), "-m", "50"],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(delay)
+    process.send_signal(signal.SIGINT)
+    out, err = process.communicate(timeout=60)
+    assert "Traceback" not in err and (process.returncode == 130 and err == "interrupted\n"
+                                       or process.returncode == 0), (process.returncode, err)

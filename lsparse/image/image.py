@@ -36,6 +36,7 @@ class Image:
     def __init__(self, path: Path, manifest: Manifest):
         self.path, self.manifest = Path(path), manifest
         self.neurons = self.path / NEURONS
+        self._checked = False  # check_for_run has passed
 
     @classmethod
     def open(cls, path) -> "Image":
@@ -75,7 +76,11 @@ class Image:
 
     def tokenizer(self):
         from lsparse.source.tokenizer import from_folder
-        return from_folder(self.path, self.manifest.config)
+        self.check_for_run()
+        tokenizer = from_folder(self.path, self.manifest.config)
+        if tokenizer is None:
+            raise LsparseError(f"{self.path}: no tokenizer in the image; the image is damaged")
+        return tokenizer
 
     def file_problems(self, hash_neurons: bool) -> list[str]:
         """Missing, truncated or altered files: sizes always, checksums of every file but the neuron file
@@ -93,10 +98,13 @@ class Image:
 
     def check_for_run(self) -> None:
         """What `run` checks before it trusts an image: every file's size, and every checksum but the neuron
-        file's (its regions are checked as they are first read)."""
+        file's (its rows are checked as they are first read). Once per opened image."""
+        if self._checked:
+            return
         problems = self.file_problems(hash_neurons=False)
         if problems:
             raise LsparseError(f"{self.path} is damaged: {problems[0]} (lsparse verify tells more)")
+        self._checked = True
 
     def verify(self) -> list[str]:
         """Every problem found: missing, truncated or altered files and neuron regions. Empty when intact."""
