@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from typing import Optional
 
 import typer
 
-from lsparse.cli.app import app
-from lsparse.errors import LsparseError
+from lsparse.cli.app import app, numbers, show
 from lsparse.runtime.options import DEFAULT_READERS
 
 
@@ -37,36 +35,24 @@ def bench(
     from pathlib import Path
 
     from rich.console import Console
+    err = Console(stderr=True)
     if image == "kernels":
         from lsparse.bench.kernels import bench_kernels, print_kernels
-        err = Console(stderr=True)
         with err.status("timing FFN steps") as status:
             result = bench_kernels(progress=lambda m: status.update(m))
-        if as_json:
-            typer.echo(json.dumps(result, indent=2))
-        else:
-            print_kernels(result)
-        return
+        return show(result, as_json, print_kernels)
 
     from lsparse.bench.ladder import BenchOptions
     from lsparse.bench.ladder import bench as run_ladder
     from lsparse.bench.report import plot_ladder, print_ladder, write_csv
-    try:
-        shares = tuple(float(v) for v in budgets.split(",") if v.strip())
-    except ValueError:
-        raise LsparseError(f"--budgets must be comma-separated shares, got {budgets!r}") from None
     options = BenchOptions(texts=[Path(t) for t in text or []], prompts=prompts, prompt_tokens=prompt_tokens,
-                           gen_tokens=gen_tokens, quality_tokens=quality_tokens, budgets=shares,
+                           gen_tokens=gen_tokens, quality_tokens=quality_tokens, budgets=numbers(budgets, "--budgets"),
                            variants_dir=Path(variants) if variants else None,
                            rungs=[r.strip() for r in rungs.split(",")] if rungs else None, workers=readers)
-    err = Console(stderr=True)
     with err.status("benchmarking") as status:
         result = run_ladder(image, options, progress=lambda m: status.update(m))
     if csv:
         write_csv(result, csv)
     if plot:
         plot_ladder(result, plot)
-    if as_json:
-        typer.echo(json.dumps(result, indent=2))
-    else:
-        print_ladder(result)
+    show(result, as_json, print_ladder)

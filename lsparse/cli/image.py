@@ -7,7 +7,8 @@ from typing import Optional
 
 import typer
 
-from lsparse.cli.app import app
+from lsparse.cli.app import app, numbers
+from lsparse.cli.app import show as show_result
 from lsparse.errors import LsparseError
 
 
@@ -28,10 +29,7 @@ def inspect(
         from lsparse.model.summary import describe, print_summary
         from lsparse.source import resolve
         summary, show = describe(resolve(model, revision)), print_summary
-    if as_json:
-        typer.echo(json.dumps(summary, indent=2))
-    else:
-        show(summary)
+    show_result(summary, as_json, show)
 
 
 @app.command()
@@ -52,17 +50,10 @@ def stats(
 ):
     """Activation statistics on real text: sparsity, window growth, hot-neuron coverage, threshold cost."""
     from lsparse.calibrate.stats import compute_stats, plot_window_growth, print_stats
-    try:
-        level_values = tuple(float(v) for v in levels.split(","))
-    except ValueError:
-        raise LsparseError(f"--levels must be comma-separated numbers, got {levels!r}") from None
-    result = compute_stats(model, text, tokens, window, level_values, mask_sparsity, backend)
+    result = compute_stats(model, text, tokens, window, numbers(levels, "--levels"), mask_sparsity, backend)
     if plot:
         plot_window_growth(result, plot)
-    if as_json:
-        typer.echo(json.dumps(result, indent=2))
-    else:
-        print_stats(result)
+    show_result(result, as_json, print_stats)
 
 
 @app.command(name="compile")
