@@ -109,14 +109,79 @@ def test_backends_multiply_over_slot_lists_as_the_reference_does(kernels, cache_
         if b.name == "cpu" and b.native:
             assert store.dtype == (np.uint8 if cache_slots == 300 else np.float32)
         b.put(store, slots_of_rows, b.prepare(data, 1)[:, 0])
-        np.testing.assert_allclose(b.mv(store, slots, x), x @ want_rows.T, rtol=1e-4, atol=1e-4)
+        want = int8_product(want_rows, row_biases(data, d, bits, GROUP)[[row_of_slot[s] for s in slots]], x, GROUP) \
+            if b.name == "cpu" and b.native and store.dtype == np.uint8 else x @ want_rows.T
+        np.testing.assert_allclose(b.mv(store, slots, x), want, rtol=1e-4, atol=1e-4)
         np.testing.assert_allclose(b.vm(store, slots, a), a @ want_rows, rtol=1e-4, atol=1e-4)
         many = np.repeat(data, 7, axis=0)  # 308 rows: held as stored by cpu with its C kernels
         held = b.hold(b.prepare(many, 1)[:, 0])
-        np.testing.assert_allclose(b.mv(held, None, x), x @ np.repeat(decoded, 7, axis=0).T, rtol=1e-4, atol=1e-3)
+        all_rows = np.repeat(decoded, 7, axis=0)
+        want = int8_product(all_rows, np.repeat(row_biases(data, d, bits, GROUP), 7, axis=0), x, GROUP) \
+            if b.name == "cpu" and b.native else x @ all_rows.T
+        np.testing.assert_allclose(b.mv(held, None, x), want, rtol=1e-4, atol=1e-3)
         coefficients = np.random.default_rng(4).standard_normal((1, len(many))).astype(np.float32)
         np.testing.assert_allclose(b.vm(held, None, coefficients), coefficients @ np.repeat(decoded, 7, axis=0),
                                    rtol=1e-4, atol=1e-3)
+
+
+def int8_activations(x: np.ndarray, group: int) -> np.ndarray:
+    """x as the C kernels multiply 4/8-bit rows' codes with it: quantized to int8 per group of `group` (scale:
+    the group's largest magnitude / 127, rounded to nearest even), then scaled back."""
+    blocks = np.asarray(x, dtype=np.float32).reshape(*np.shape(x)[:-1], -1, group)
+    largest = np.abs(blocks).max(axis=-1, keepdims=True)
+    scale = np.where(largest > 0, largest / np.float32(127), np.float32(1)).astype(np.float32)
+    return (np.rint(blocks / scale) * scale).reshape(np.shape(x)).astype(np.float32)
+
+
+def int8_product(dense: np.ndarray, biases: np.ndarray, x: np.ndarray, group: int) -> np.ndarray:
+    """What the C kernels compute for rows w = scale * code + bias (dense: the rows decoded, biases: (n,
+    groups)): the codes' part with x quantized to 8 bits, the biases' part with x itself (its exact group sums)."""
+    def bias_part(v):
+        return np.asarray(v, np.float64).reshape(*np.shape(v)[:-1], -1, group).sum(-1) @ biases.T
+    quantized = int8_activations(x, group)
+    return (quantized @ dense.T - bias_part(quantized) + bias_part(x)).astype(np.float32)
+
+
+def row_biases(rows: np.ndarray, d: int, bits: int, group: int) -> np.ndarray:
+    """(n, groups) the fp16 biases of rows in the image's format, as floats."""
+    start = d * bits // 8 + 2 * (d // group)
+    return np.ascontiguousarray(rows[:, start:start + 2 * (d // group)]).view(np.float16).astype(np.float64)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_c_products_of_stored_rows_are_mlx_quantized_matmuls(bits, group):
+    """The CPU path's products over 4/8-bit rows (lsparse/kernels/native/q.c) against MLX's own
+    quantized_matmul on the same rows: exact for x quantized to 8 bits as the kernel does, within 3% of the
+    largest output for x itself; with slots gathered at random and rows whose coefficient is 0 skipped."""
+    import mlx.core as mx
+
+    from lsparse.kernels import native
+    products = native.load()
+    if products is None:
+        pytest.skip("no C compiler here: the C kernels cannot be built")
+    rng = np.random.default_rng(group + bits)
+    d, n = 1024, 300
+    weights = rng.standard_normal((n, d)).astype(np.float32)
+    codes = quantize_rows(weights, bits, group)
+    q, s, b = mx.quantize(mx.array(weights.astype(np.float16)), group_size=group, bits=bits)
+    slots = rng.choice(n, 200, replace=False)
+    x = rng.standard_normal(d).astype(np.float32)
+    a = rng.standard_normal(200).astype(np.float32)
+    a[::5] = 0
+
+    def mlx_mv(v):
+        out = mx.quantized_matmul(mx.array(v[None]), q, s.astype(mx.float32), b.astype(mx.float32), transpose=True,
+                                  group_size=group, bits=bits)
+        return np.array(out)[0][slots]
+
+    dense = np.array(mx.dequantize(q, s.astype(mx.float32), b.astype(mx.float32), group_size=group, bits=bits))
+    biases = np.array(b.astype(mx.float32)).astype(np.float64)
+    y = products.mv_q(codes, slots, x, bits, group)
+    np.testing.assert_allclose(y, int8_product(dense[slots], biases[slots], x, group), rtol=1e-4, atol=1e-3)
+    assert np.abs(y - mlx_mv(x)).max() <= 0.03 * np.abs(mlx_mv(x)).max()
+    np.testing.assert_allclose(products.vm_q(codes, slots, a, d, bits, group), a @ dense[slots], rtol=1e-4,
+                               atol=1e-3)
 
 
 def test_c_products_split_over_threads_add_up_to_one_call(monkeypatch):

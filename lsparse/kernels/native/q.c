@@ -1,0 +1,257 @@
+// The CPU path's products over 4- and 8-bit rows kept as stored (MLX's affine groups: w = scale * code + bias,
+// codes packed little-endian, element i at bit i * bits; then the fp16 scales, then the fp16 biases), at the
+// speed of memory: as llama.cpp does, x is quantized to int8 once per token, one scale per weight group, and
+// each group's code . x is an exact integer sum (AVX-VNNI or AVX-512 VNNI dpbusd, AVX2 maddubs, or plain C);
+// the down product accumulates whole rows in float, an output tile held in registers across all rows. Rows
+// are split over OpenMP threads. Built with the other kernels by lsparse/kernels/native.py.
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "half.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define LSPARSE_AVX2 1
+#endif
+#if defined(LSPARSE_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__)
+#define LSPARSE_AVX512 1
+#endif
+
+// x for one token, as the products take it: per chunk of 64 elements (4-bit rows: the 32 even-numbered
+// elements, then the 32 odd, as a byte's low and high nibbles hold them; 8-bit rows: in order), int8 codes
+// with one scale per `group` elements, and each group's exact float sum (for the biases).
+void lsparse_quantize_x(const float* x, int64_t d, int group, int bits, int8_t* xq, float* scale, float* sum) {
+  for (int64_t g = 0; g < d / group; g++) {
+    const float* v = x + g * group;
+    float m = 0.0f, s = 0.0f;
+    for (int k = 0; k < group; k++) {
+      m = fmaxf(m, fabsf(v[k]));
+      s += v[k];
+    }
+    scale[g] = m > 0.0f ? m / 127.0f : 1.0f;
+    sum[g] = s;
+  }
+  for (int64_t j = 0; j < d; j++) {
+    const int8_t q = (int8_t)lrintf(x[j] / scale[j / group]);
+    int64_t at = j;
+    if (bits == 4) {  // within its chunk of 64: even elements first, then odd
+      const int64_t chunk = j / 64 * 64, k = j - chunk;
+      at = chunk + (k % 2) * 32 + k / 2;
+    }
+    xq[at] = q;
+  }
+}
+
+#ifndef LSPARSE_AVX2
+// The integer sum code . xq over one chunk of 64 elements, per half (32 elements each): two int32 sums, for a
+// group of 32 (the halves belong to two groups) or added together for larger groups.
+static void chunk_dot(const uint8_t* codes, const int8_t* xq, int bits, int32_t half[2]) {
+  half[0] = half[1] = 0;
+  if (bits == 4) {  // codes: 32 bytes; low nibbles the even elements, high nibbles the odd
+    for (int b = 0; b < 32; b++) {
+      const int h = b / 16;
+      half[h] += (codes[b] & 15) * xq[b] + (codes[b] >> 4) * xq[32 + b];
+    }
+  } else {
+    for (int b = 0; b < 64; b++) half[b / 32] += codes[b] * xq[b];
+  }
+}
+
+#endif
+
+#ifdef LSPARSE_AVX2
+// 8 int32 lanes: lanes 0-3 sum the chunk's first half, lanes 4-7 its second
+static inline __m256i chunk_dot_avx2(const uint8_t* codes, const int8_t* xq, int bits) {
+  if (bits == 4) {
+    const __m256i c = _mm256_loadu_si256((const __m256i*)codes), mask = _mm256_set1_epi8(15);
+    const __m256i lo = _mm256_and_si256(c, mask), hi = _mm256_and_si256(_mm256_srli_epi16(c, 4), mask);
+    // even x in bytes 0-31, odd in 32-63: lanes of lo/hi pair with the same half of each
+    const __m256i xe = _mm256_loadu_si256((const __m256i*)xq), xo = _mm256_loadu_si256((const __m256i*)(xq + 32));
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xe), hi, xo);
+#elif defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xe), hi, xo);
+#else
+    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xe), _mm256_maddubs_epi16(hi, xo));  // |p| < 2^13
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+#endif
+  }
+  // 8 bits: codes up to 255 would overflow maddubs's int16 pairs; widen to 16 bits instead
+  __m256i acc = _mm256_setzero_si256();
+  for (int part = 0; part < 4; part++) {  // 16 elements each; parts 0-1 the first half, 2-3 the second
+    const __m256i c = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i*)(codes + 16 * part)));
+    const __m256i x = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(xq + 16 * part)));
+    const __m256i p = _mm256_madd_epi16(c, x);  // 8 int32, each of 2 elements
+    // fold the 8 lanes to 4 and place them in the half they belong to
+    const __m128i folded = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+    acc = _mm256_add_epi32(acc, part < 2 ? _mm256_castsi128_si256(folded)
+                                         : _mm256_inserti128_si256(_mm256_setzero_si256(), folded, 1));
+  }
+  return acc;
+}
+
+static inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// n fp16 values as floats, times `by` (NULL: 1) and `times` (scalar)
+static void halves(const uint16_t* h, int64_t n, const float* by, float times, float* out) {
+  int64_t k = 0;
+#if defined(LSPARSE_AVX2) && defined(__F16C__)
+  for (; k + 8 <= n; k += 8) {
+    __m256 v = _mm256_mul_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + k))), _mm256_set1_ps(times));
+    _mm256_storeu_ps(out + k, by ? _mm256_mul_ps(v, _mm256_loadu_ps(by + k)) : v);
+  }
+#endif
+  for (; k < n; k++) out[k] = lsparse_half_to_float(h[k]) * times * (by ? by[k] : 1.0f);
+}
+
+// One row's product with x: sum over groups of scale * (code . x) + bias * sum(x)
+static float row_dot(const uint8_t* row, int64_t d, int bits, int group, const int8_t* xq, const float* xscale,
+                     const float* xsum) {
+  const int64_t groups = d / group, code_bytes = d * bits / 8, chunk_bytes = 64 * bits / 8;
+  const uint16_t* scales = (const uint16_t*)(row + code_bytes);
+  float factor[groups], bias[groups];  // per group: the row's scale times x's; the row's bias times x's sum
+  halves(scales, groups, xscale, 1.0f, factor);
+  halves(scales + groups, groups, xsum, 1.0f, bias);
+  float acc = 0.0f;
+  for (int64_t g = 0; g < groups; g++) acc += bias[g];
+#ifdef LSPARSE_AVX2
+  __m256 accv = _mm256_setzero_ps();
+  for (int64_t c = 0; c < d / 64; c++) {
+    const __m256 isum = _mm256_cvtepi32_ps(chunk_dot_avx2(row + c * chunk_bytes, xq + c * 64, bits));
+    const __m256 f = group == 32 ? _mm256_set_m128(_mm_set1_ps(factor[2 * c + 1]), _mm_set1_ps(factor[2 * c]))
+                                 : _mm256_set1_ps(factor[c * 64 / group]);  // the halves' groups' factors
+    accv = _mm256_fmadd_ps(isum, f, accv);
+  }
+  acc += hsum(accv);
+#else
+  for (int64_t c = 0; c < d / 64; c++) {
+    int32_t half[2];
+    chunk_dot(row + c * chunk_bytes, xq + c * 64, bits, half);
+    acc += (float)half[0] * factor[c * 64 / group] + (float)half[1] * factor[(c * 64 + 32) / group];
+  }
+#endif
+  return acc;
+}
+
+// y[i] = row(slots[i]) . x, x as lsparse_quantize_x left it; d a multiple of 64
+void lsparse_mv_q8x(const uint8_t* rows, int64_t row_bytes, int64_t d, int bits, int group, const int64_t* slots,
+                    int64_t n, const int8_t* xq, const float* xscale, const float* xsum, float* y, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t i = 0; i < n; i++) {
+    if (i + 1 < n) {  // the next row lies elsewhere: start its first lines now (the prefetcher follows on)
+      const char* next = (const char*)(rows + slots[i + 1] * row_bytes);
+      for (int line = 0; line < 8; line++) __builtin_prefetch(next + 64 * line);
+    }
+    y[i] = row_dot(rows + slots[i] * row_bytes, d, bits, group, xq, xscale, xsum);
+  }
+}
+
+// acc[64] = sum over i of row(slots[i])'s codes in one tile of 64 outputs, each row's first half times
+// s0[i] and its second half times s1[i] (4 bits: acc holds the even elements, then the odd; 8 bits: in order).
+// The tile stays in registers while every row passes.
+static void tile_sums(const uint8_t* rows, int64_t row_bytes, int bits, const int64_t* slots, int64_t n,
+                      const float* scaled, int64_t groups, int64_t g0, int64_t g1, int64_t at, float* acc) {
+#if defined(LSPARSE_AVX512)
+  if (bits == 4) {  // 16 lanes each: even elements of half 0, of half 1; odd of half 0, of half 1
+    __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps(), o0 = _mm512_setzero_ps(), o1 = _mm512_setzero_ps();
+    const __m128i mask = _mm_set1_epi8(15);
+    for (int64_t i = 0; i < n; i++) {
+      const __m512 s0 = _mm512_set1_ps(scaled[i * groups + g0]), s1 = _mm512_set1_ps(scaled[i * groups + g1]);
+      const uint8_t* codes = rows + slots[i] * row_bytes + at;
+      const __m128i c0 = _mm_loadu_si128((const __m128i*)codes), c1 = _mm_loadu_si128((const __m128i*)(codes + 16));
+#define LSPARSE_F(v) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v))
+      e0 = _mm512_fmadd_ps(s0, LSPARSE_F(_mm_and_si128(c0, mask)), e0);
+      o0 = _mm512_fmadd_ps(s0, LSPARSE_F(_mm_and_si128(_mm_srli_epi16(c0, 4), mask)), o0);
+      e1 = _mm512_fmadd_ps(s1, LSPARSE_F(_mm_and_si128(c1, mask)), e1);
+      o1 = _mm512_fmadd_ps(s1, LSPARSE_F(_mm_and_si128(_mm_srli_epi16(c1, 4), mask)), o1);
+#undef LSPARSE_F
+    }
+    _mm512_storeu_ps(acc, e0);
+    _mm512_storeu_ps(acc + 16, e1);
+    _mm512_storeu_ps(acc + 32, o0);
+    _mm512_storeu_ps(acc + 48, o1);
+    return;
+  }
+#endif
+#if defined(LSPARSE_AVX2)
+  __m256 v[8];
+  for (int k = 0; k < 8; k++) v[k] = _mm256_setzero_ps();
+  const __m128i mask = _mm_set1_epi8(15);
+  for (int64_t i = 0; i < n; i++) {
+    const __m256 s0 = _mm256_set1_ps(scaled[i * groups + g0]), s1 = _mm256_set1_ps(scaled[i * groups + g1]);
+    const uint8_t* codes = rows + slots[i] * row_bytes + at;
+    if (bits == 4) {  // parts: even of half 0, even of half 1, odd of half 0, odd of half 1 (acc's order)
+      const __m128i c0 = _mm_loadu_si128((const __m128i*)codes), c1 = _mm_loadu_si128((const __m128i*)(codes + 16));
+      const __m128i q[4] = {_mm_and_si128(c0, mask), _mm_and_si128(c1, mask),
+                            _mm_and_si128(_mm_srli_epi16(c0, 4), mask), _mm_and_si128(_mm_srli_epi16(c1, 4), mask)};
+      for (int part = 0; part < 4; part++) {
+        const __m256 s = part % 2 ? s1 : s0;
+        v[2 * part] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[part])), v[2 * part]);
+        v[2 * part + 1] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q[part], 8))),
+                                          v[2 * part + 1]);
+      }
+    } else {
+      for (int part = 0; part < 8; part++) {
+        const __m128i c = _mm_loadl_epi64((const __m128i*)(codes + 8 * part));
+        v[part] = _mm256_fmadd_ps(part < 4 ? s0 : s1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c)), v[part]);
+      }
+    }
+  }
+  for (int part = 0; part < 8; part++) _mm256_storeu_ps(acc + 8 * part, v[part]);
+#else
+  for (int k = 0; k < 64; k++) acc[k] = 0.0f;
+  for (int64_t i = 0; i < n; i++) {
+    const float s0 = scaled[i * groups + g0], s1 = scaled[i * groups + g1];
+    const uint8_t* codes = rows + slots[i] * row_bytes + at;
+    if (bits == 4) {
+      for (int b = 0; b < 32; b++) {  // byte b: elements 2b (low nibble) and 2b + 1 (high) of the tile
+        acc[b] += (b < 16 ? s0 : s1) * (float)(codes[b] & 15);
+        acc[32 + b] += (b < 16 ? s0 : s1) * (float)(codes[b] >> 4);
+      }
+    } else {
+      for (int b = 0; b < 64; b++) acc[b] += (b < 32 ? s0 : s1) * (float)codes[b];
+    }
+  }
+#endif
+}
+
+// out[j] for the 64 outputs of one tile: the rows' codes times their scaled coefficients, plus the biases'
+// part. scaled: (n, groups) each row's scales times a[i]; bias: per group, the sum over rows of a[i] times the
+// row's bias (both from lsparse_vm_q).
+static void down_tile(const uint8_t* rows, int64_t row_bytes, int64_t d, int bits, int group, const int64_t* slots,
+                      int64_t n, const float* scaled, const float* bias, int64_t tile, float* out) {
+  const int64_t g0 = tile * 64 / group, g1 = (tile * 64 + 32) / group;
+  float acc[64];
+  tile_sums(rows, row_bytes, bits, slots, n, scaled, d / group, g0, g1, tile * 64 * bits / 8, acc);
+  float* o = out + tile * 64;
+  for (int k = 0; k < 64; k++) {
+    const int element = bits == 4 ? (k < 32 ? 2 * k : 2 * (k - 32) + 1) : k;  // acc: even elements, then odd
+    o[element] = acc[k] + bias[element < 32 ? g0 : g1];
+  }
+}
+
+// out = sum over i of a[i] * row(slots[i]), rows whose a[i] is 0 left out by the caller; d a multiple of 64;
+// scratch holds (n + 1) * (d / group) floats
+void lsparse_vm_q(const uint8_t* rows, int64_t row_bytes, int64_t d, int bits, int group, const int64_t* slots,
+                  int64_t n, const float* a, float* out, float* scratch, int threads) {
+  const int64_t groups = d / group, code_bytes = d * bits / 8;
+  float* bias = scratch + n * groups;
+  float row_bias[groups];
+  for (int64_t g = 0; g < groups; g++) bias[g] = 0.0f;
+  for (int64_t i = 0; i < n; i++) {  // each row's scales and biases converted once, not once per tile
+    const uint16_t* scales = (const uint16_t*)(rows + slots[i] * row_bytes + code_bytes);
+    halves(scales, groups, NULL, a[i], scratch + i * groups);
+    halves(scales + groups, groups, NULL, a[i], row_bias);
+    for (int64_t g = 0; g < groups; g++) bias[g] += row_bias[g];
+  }
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t tile = 0; tile < d / 64; tile++)
+    down_tile(rows, row_bytes, d, bits, group, slots, n, scratch, bias, tile, out);
+}
