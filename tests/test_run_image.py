@@ -163,12 +163,19 @@ def test_the_runtime_runs_the_exact_metal_source_in_the_emulator(relu_image, mod
 
 
 def test_predicted_mode_runs_and_reports(relu_image):
-    result = lsparse("run", str(relu_image), "--mode", "predicted", "-m", "16", "--json")
-    assert result.returncode == 0, result.stderr
-    out = json.loads(result.stdout)
-    f = out["flash"]
-    assert out["generated_tokens"] > 0 and f["reads_per_token"] > 0
+    """With a window of one token every token reads its neurons; without a window, neurons stay until the
+    cache is full (here: never), so later tokens read less, and nothing once every neuron has been seen."""
+    runs = {}
+    for window in ("1", None):
+        result = lsparse("run", str(relu_image), "--mode", "predicted", "-m", "16", "--json",
+                         *(["--window", window] if window else []))
+        assert result.returncode == 0, result.stderr
+        runs[window] = json.loads(result.stdout)
+    f = runs["1"]["flash"]
+    assert runs["1"]["generated_tokens"] > 0 and f["reads_per_token"] > 0
     assert 0 < f["bytes_read_per_token"] < f["dense_ffn_bytes"]
+    assert runs[None]["flash"]["bytes_read_per_token"] < f["bytes_read_per_token"]
+    assert runs[None]["flash"]["cache_hit_rate"] > f["cache_hit_rate"]
 
 
 def test_opt_image_exact_equals_dense(tmp_path):

@@ -21,8 +21,8 @@ def run(
     mode: Optional[str] = typer.Option(None, "--mode", help="For an image: exact (the gate resident, lossless), "
                                                             "predicted, dense, or hybrid (the whole FFN read "
                                                             "every token: a baseline). Default: exact."),
-    window: Optional[int] = typer.Option(None, "--window", min=1,
-                                         help="Images: keep the neurons of the last k tokens in RAM [5]."),
+    window: Optional[int] = typer.Option(None, "--window", min=1, help="Images: keep only the neurons of the last k "
+                                         "tokens in RAM [all, until the cache is full]."),
     threshold: Optional[float] = typer.Option(None, "--threshold", help="Images: shift of the predictor's "
                                               "threshold (negative: load more neurons) [0]."),
     temp: float = typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy."),
@@ -35,8 +35,8 @@ def run(
     backend: Optional[str] = typer.Option(None, "--backend",
                                           help="Checkpoints: numpy or mlx (default: mlx with Metal, else numpy)."),
     buffered: bool = typer.Option(False, "--buffered", help="Read the image through the page cache."),
-    ram_budget: Optional[str] = typer.Option(None, "--ram-budget",
-                                             help="Images: plan RAM to fit, e.g. 512MB or 2GB, or refuse."),
+    ram_budget: Optional[str] = typer.Option(None, "--ram-budget", help="Images: plan RAM to fit, as bytes (512MB, "
+                                             "2GB) or a share of the model as stored (50%), or refuse."),
     lookahead: bool = typer.Option(False, "--lookahead", help="Images: start reading the next layer's guessed "
                                                               "neurons while this layer computes."),
     kernels: Optional[str] = typer.Option(None, "--kernels", help="Images: what computes the FFNs: auto (metal on "
@@ -59,8 +59,8 @@ def run(
         _refuse(checkpoint_only, "apply to checkpoints, not to an image")
         if dense and mode is not None:
             raise LsparseError("--dense is --mode dense: give one of them")
-        options = _decode_options(mode or ("dense" if dense else "exact"), window, threshold, ram_budget, kernels,
-                                  packed, readers, buffered, lookahead)
+        options = _decode_options(model, mode or ("dense" if dense else "exact"), window, threshold, ram_budget,
+                                  kernels, packed, readers, buffered, lookahead)
     elif dense:
         _refuse(image_only, "apply to images (lsparse compile makes one), not to --dense on a checkpoint")
         options = None
@@ -77,9 +77,11 @@ def _refuse(given: dict, why: str) -> None:
         raise LsparseError(f"{', '.join(named)} {why}")
 
 
-def _decode_options(mode, window, threshold, ram_budget, kernels, packed, readers, buffered, lookahead):
+def _decode_options(image, mode, window, threshold, ram_budget, kernels, packed, readers, buffered, lookahead):
+    from lsparse.image.image import Image
     from lsparse.runtime.options import DecodeOptions, parse_budget
-    given = {"mode": mode, "window": window, "threshold_shift": threshold, "ram_budget": parse_budget(ram_budget),
+    budget = parse_budget(ram_budget, Image.open(image) if ram_budget and ram_budget.strip().endswith("%") else None)
+    given = {"mode": mode, "window": window, "threshold_shift": threshold, "ram_budget": budget,
              "kernels": _kernels(kernels or "auto", packed), "readers": readers, "direct": not buffered,
              "lookahead": lookahead}
     return DecodeOptions(**{k: v for k, v in given.items() if v is not None})

@@ -74,6 +74,19 @@ class Image:
                                    f"{shape}: not an image this lsparse wrote (compile it again)")
         return tensors
 
+    def model_bytes(self) -> int:
+        """The model as stored, as a user means it when giving a share of it: every weight of the image
+        (attention, embeddings, norms, hot and cold bundles), not what lsparse adds (the exact gate's copy,
+        predictors, checksums, the tokenizer, the manifest)."""
+        from lsparse.source.safetensors_store import SafetensorsFile
+        added = {"exact_rows", "cold_row_sums", "A", "B", "bias", "W1", "W2", "b2"}
+        resident = 0
+        for path in sorted((self.path / "resident").glob("*.safetensors")):
+            entries = SafetensorsFile(path).entries
+            resident += sum(int(np.prod(shape)) * dtype.itemsize for name, (_, dtype, shape, _) in entries.items()
+                            if name not in added)
+        return resident + sum(layer.region.size for layer in self.manifest.layers)
+
     def tokenizer(self):
         from lsparse.source.tokenizer import from_folder
         self.check_for_run()

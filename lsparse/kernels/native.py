@@ -216,7 +216,7 @@ class GatheredProducts:
         assert rows.dtype == np.uint8 and rows.flags.c_contiguous
         slots, a = _nonzero(slots, a)
         if int8_x(d):  # d a multiple of 64: q.c's tiled product (x plays no part here)
-            out, scratch = np.empty(d, np.float32), np.empty((len(slots) + 1) * (d // group), np.float32)
+            out, scratch = np.empty(d, np.float32), np.empty(len(slots) * (d // group) + THREADS * d, np.float32)
             self.lib.lsparse_vm_q(rows.ctypes.data, rows.shape[1], d, bits, group, slots.ctypes.data, len(slots),
                                   a.ctypes.data, out.ctypes.data, scratch.ctypes.data, THREADS)
             return out
@@ -229,6 +229,30 @@ class GatheredProducts:
             return out
 
         return sum(_split(len(slots), d, run))
+
+
+def limit_blas_threads(n: int) -> bool:
+    """Run numpy's OpenBLAS on n threads from now on (as threadpoolctl would): the C kernels' OpenMP threads
+    and OpenBLAS's busy-waiting threads on the same two cores halved the 7B decode's compute (137 against
+    68 ms a token). Returns whether an OpenBLAS was found."""
+    import re
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return False
+    found = False
+    for path in sorted(set(re.findall(r"\S*openblas\S*\.(?:so|dylib)\S*", maps))):
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        for name in ("openblas_set_num_threads", "scipy_openblas_set_num_threads64_", "openblas_set_num_threads64_"):
+            fn = getattr(lib, name, None)
+            if fn is not None:
+                fn(ctypes.c_int(n))
+                found = True
+                break
+    return found
 
 
 def int8_x(d: int) -> bool:

@@ -10,9 +10,10 @@ NEVER = -(1 << 40)
 
 class NeuronCache:
     """Preallocated row stores (one per row of a bundle kept, made by the kernel backend) and a slot table. A
-    neuron stays while one of the last `window` tokens used it; freed slots are reused in place."""
+    neuron stays while one of the last `window` tokens used it (None: until its slot is needed), and the least
+    recently used make room when the cache is full; freed slots are reused in place."""
 
-    def __init__(self, n_neurons: int, capacity: int, n_rows: int, window: int, kernels):
+    def __init__(self, n_neurons: int, capacity: int, n_rows: int, window: int | None, kernels):
         self.kernels = kernels
         self.rows = [kernels.empty(capacity) for _ in range(n_rows)]  # n_rows stores of (capacity, row)
         self.slot_of = np.full(n_neurons, -1, dtype=np.int64)         # (n_neurons,) its slot, or -1
@@ -25,9 +26,10 @@ class NeuronCache:
         """A new token needs these neurons: the stale ones leave, the held ones are kept for this token, and
         the ones to read are returned."""
         self.clock += 1
-        stale = (self.neuron_of >= 0) & (self.last_used <= self.clock - self.window)
-        self.slot_of[self.neuron_of[stale]] = -1
-        self.neuron_of[stale] = -1
+        if self.window is not None:
+            stale = (self.neuron_of >= 0) & (self.last_used <= self.clock - self.window)
+            self.slot_of[self.neuron_of[stale]] = -1
+            self.neuron_of[stale] = -1
         slots = self.slot_of[needed]
         self.last_used[slots[slots >= 0]] = self.clock  # this token's neurons are not evicted
         return needed[slots < 0]

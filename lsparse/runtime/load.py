@@ -67,6 +67,9 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
     image.check_for_run()
     m = image.manifest
     backend = backends.select(options.kernels, m.bundle.d_model, m.bundle.bits, m.bundle.group_size)
+    if getattr(backend, "quantized", False):  # the C kernels' threads share the cores: OpenBLAS gets one
+        from lsparse.kernels.native import limit_blas_threads
+        limit_blas_threads(1)
     memory = plan(m, backend, options)
     trace = _trace(image, options)
     fetcher, gap = _fetcher(image, options, memory)

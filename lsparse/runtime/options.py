@@ -16,7 +16,7 @@ MODES = ("exact", "predicted", "dense", "hybrid")
 @dataclass(frozen=True)
 class DecodeOptions:
     mode: str = "exact"             # exact (the gate resident: lossless), predicted, dense or hybrid
-    window: int = 5                 # keep the neurons of the last `window` tokens in RAM
+    window: int | None = None       # keep neurons of the last `window` tokens (None: until the cache is full)
     threshold_shift: float = 0.0    # added to each layer's predictor threshold (negative: load more)
     ram_budget: int | None = None   # bytes; the plan fits in it or the run is refused. None: no limit
     context: int = 2048             # tokens the KV cache is planned for (prompt and generation)
@@ -33,7 +33,7 @@ class DecodeOptions:
         if self.kernels not in KERNELS:
             raise LsparseError(f"unknown kernels {self.kernels!r} (choose from {', '.join(KERNELS)})")
         for name in ("window", "context", "readers"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise LsparseError(f"--{name} must be at least 1, got {getattr(self, name)}")
         if not math.isfinite(self.threshold_shift):
             raise LsparseError(f"--threshold must be a finite number, got {self.threshold_shift}")
@@ -50,11 +50,19 @@ class DecodeOptions:
         return tuple(f.name for f in fields(cls))
 
 
-def parse_budget(text: str | None) -> int | None:
-    """--ram-budget as the user wrote it: bytes (512MB, 2GB). None or '' is refused by the caller's rules:
-    here None means no budget."""
+def parse_budget(text: str | None, image=None) -> int | None:
+    """--ram-budget as the user wrote it: bytes (512MB, 2GB), or a share of the image's model as stored (50%:
+    half of Image.model_bytes()). None: no budget."""
     if text is None:
         return None
     if not text.strip():
-        raise LsparseError("--ram-budget is empty (examples: 512MB, 2GB)")
+        raise LsparseError("--ram-budget is empty (examples: 512MB, 2GB, 50%)")
+    if text.strip().endswith("%"):
+        try:
+            share = float(text.strip()[:-1]) / 100
+        except ValueError:
+            raise LsparseError(f"cannot read the share {text!r} (example: 50%)") from None
+        if not 0 < share <= 10 or image is None:
+            raise LsparseError(f"--ram-budget {text}: a share must be above 0% and of an image")
+        return int(share * image.model_bytes())
     return parse_size(text)

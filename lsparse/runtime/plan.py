@@ -72,8 +72,8 @@ def _resident_bytes(manifest: Manifest, mode: str, context: int, row_bytes) -> d
 
 def plan(manifest: Manifest, kernels, options: DecodeOptions) -> MemoryPlan:
     """Bytes per component, each layer's cache capacity and the read buffers, for rows held as the kernel
-    backend `kernels` holds them (None: decoded to fp32). Without a budget a cache holds `window` tokens' worth
-    of neurons."""
+    backend `kernels` holds them (None: decoded to fp32). A cache holds at most `window` tokens' worth of
+    neurons where a window is set, else all the layer's cold neurons; a budget cuts that to fit."""
     b, mode = manifest.bundle, options.mode
 
     def row_bytes(count: int, held: bool = True) -> int:  # one row in a store of `count` rows
@@ -94,7 +94,7 @@ def plan(manifest: Manifest, kernels, options: DecodeOptions) -> MemoryPlan:
     # A token's own neurons should fit: a quarter more than the most calibration saw one token load. A token
     # that loads more still runs, through rows of its own and reads in several batches, at the cost of rereads.
     minimum = np.minimum(cold, np.ceil(1.25 * _most_loaded(manifest, mode) * d_ffs).astype(int))
-    capacity = np.minimum(cold, options.window * minimum)
+    capacity = cold.copy() if options.window is None else np.minimum(cold, options.window * minimum)
     def slot_bytes(count: int) -> int:  # a slot: the rows kept of a neuron, as a store of `count` keeps them
         return rows * row_bytes(max(int(count), 1), held=False)
 

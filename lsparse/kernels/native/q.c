@@ -99,6 +99,11 @@ static inline float hsum(__m256 v) {
 }
 #endif
 
+// Gathered rows lie anywhere: ask for a row two ahead so that it arrives while this one is multiplied.
+static inline void prefetch_row(const uint8_t* row, int64_t row_bytes) {
+  for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(row + at);
+}
+
 // n fp16 values as floats, times `by` (NULL: 1) and `times` (scalar)
 static void halves(const uint16_t* h, int64_t n, const float* by, float times, float* out) {
   int64_t k = 0;
@@ -145,113 +150,125 @@ void lsparse_mv_q8x(const uint8_t* rows, int64_t row_bytes, int64_t d, int bits,
                     int64_t n, const int8_t* xq, const float* xscale, const float* xsum, float* y, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < n; i++) {
-    if (i + 1 < n) {  // the next row lies elsewhere: start its first lines now (the prefetcher follows on)
-      const char* next = (const char*)(rows + slots[i + 1] * row_bytes);
-      for (int line = 0; line < 8; line++) __builtin_prefetch(next + 64 * line);
-    }
+    if (i + 2 < n) prefetch_row(rows + slots[i + 2] * row_bytes, row_bytes);
     y[i] = row_dot(rows + slots[i] * row_bytes, d, bits, group, xq, xscale, xsum);
   }
 }
 
-// acc[64] = sum over i of row(slots[i])'s codes in one tile of 64 outputs, each row's first half times
-// s0[i] and its second half times s1[i] (4 bits: acc holds the even elements, then the odd; 8 bits: in order).
-// The tile stays in registers while every row passes.
-static void tile_sums(const uint8_t* rows, int64_t row_bytes, int bits, const int64_t* slots, int64_t n,
-                      const float* scaled, int64_t groups, int64_t g0, int64_t g1, int64_t at, float* acc) {
+// out[j] += sum over the rows of scaled[i, group of j] * code_i[j] (out: d floats, even elements then odd
+// within each tile of 64 for 4 bits, in order for 8), each row read once, in order, across all its tiles:
+// gathered rows stream from memory as the prefetcher likes them, while out stays in the first-level cache.
+static void rows_into(const uint8_t* rows, int64_t row_bytes, int64_t d, int bits, int group, const int64_t* slots,
+                      int64_t start, int64_t stop, const float* scaled, float* out) {
+  const int64_t groups = d / group, tiles = d / 64, tile_bytes = 64 * bits / 8;
+  int64_t i = start;
 #if defined(LSPARSE_AVX512)
-  if (bits == 4) {  // 16 lanes each: even elements of half 0, of half 1; odd of half 0, of half 1
-    __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps(), o0 = _mm512_setzero_ps(), o1 = _mm512_setzero_ps();
+  if (bits == 4) {  // four rows a pass: out's tile loaded and stored once for all four
     const __m128i mask = _mm_set1_epi8(15);
-    for (int64_t i = 0; i < n; i++) {
-      const __m512 s0 = _mm512_set1_ps(scaled[i * groups + g0]), s1 = _mm512_set1_ps(scaled[i * groups + g1]);
-      const uint8_t* codes = rows + slots[i] * row_bytes + at;
-      const __m128i c0 = _mm_loadu_si128((const __m128i*)codes), c1 = _mm_loadu_si128((const __m128i*)(codes + 16));
+    for (; i + 4 <= stop; i += 4) {
+      const uint8_t* r[4];
+      const float* s[4];
+      for (int k = 0; k < 4; k++) {
+        if (i + 4 + k < stop) prefetch_row(rows + slots[i + 4 + k] * row_bytes, row_bytes);
+        r[k] = rows + slots[i + k] * row_bytes;
+        s[k] = scaled + (i + k) * groups;
+      }
+      for (int64_t t = 0; t < tiles; t++) {
+        float* o = out + t * 64;
+        __m512 e0 = _mm512_loadu_ps(o), e1 = _mm512_loadu_ps(o + 16), o0 = _mm512_loadu_ps(o + 32),
+               o1 = _mm512_loadu_ps(o + 48);
+        const int64_t g0 = t * 64 / group, g1 = (t * 64 + 32) / group;
+        for (int k = 0; k < 4; k++) {
+          const uint8_t* codes = r[k] + t * tile_bytes;
+          const __m128i c0 = _mm_loadu_si128((const __m128i*)codes), c1 = _mm_loadu_si128((const __m128i*)(codes + 16));
+          const __m512 v0 = _mm512_set1_ps(s[k][g0]), v1 = _mm512_set1_ps(s[k][g1]);
 #define LSPARSE_F(v) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v))
-      e0 = _mm512_fmadd_ps(s0, LSPARSE_F(_mm_and_si128(c0, mask)), e0);
-      o0 = _mm512_fmadd_ps(s0, LSPARSE_F(_mm_and_si128(_mm_srli_epi16(c0, 4), mask)), o0);
-      e1 = _mm512_fmadd_ps(s1, LSPARSE_F(_mm_and_si128(c1, mask)), e1);
-      o1 = _mm512_fmadd_ps(s1, LSPARSE_F(_mm_and_si128(_mm_srli_epi16(c1, 4), mask)), o1);
+          e0 = _mm512_fmadd_ps(v0, LSPARSE_F(_mm_and_si128(c0, mask)), e0);
+          e1 = _mm512_fmadd_ps(v1, LSPARSE_F(_mm_and_si128(c1, mask)), e1);
+          o0 = _mm512_fmadd_ps(v0, LSPARSE_F(_mm_and_si128(_mm_srli_epi16(c0, 4), mask)), o0);
+          o1 = _mm512_fmadd_ps(v1, LSPARSE_F(_mm_and_si128(_mm_srli_epi16(c1, 4), mask)), o1);
 #undef LSPARSE_F
+        }
+        _mm512_storeu_ps(o, e0);
+        _mm512_storeu_ps(o + 16, e1);
+        _mm512_storeu_ps(o + 32, o0);
+        _mm512_storeu_ps(o + 48, o1);
+      }
     }
-    _mm512_storeu_ps(acc, e0);
-    _mm512_storeu_ps(acc + 16, e1);
-    _mm512_storeu_ps(acc + 32, o0);
-    _mm512_storeu_ps(acc + 48, o1);
-    return;
   }
 #endif
+  for (; i < stop; i++) {
+    if (i + 2 < stop) prefetch_row(rows + slots[i + 2] * row_bytes, row_bytes);
+    const uint8_t* row = rows + slots[i] * row_bytes;
+    const float* s = scaled + i * groups;
+    for (int64_t t = 0; t < tiles; t++) {
+      const float s0 = s[t * 64 / group], s1 = s[(t * 64 + 32) / group];
+      const uint8_t* codes = row + t * tile_bytes;
+      float* o = out + t * 64;
 #if defined(LSPARSE_AVX2)
-  __m256 v[8];
-  for (int k = 0; k < 8; k++) v[k] = _mm256_setzero_ps();
-  const __m128i mask = _mm_set1_epi8(15);
-  for (int64_t i = 0; i < n; i++) {
-    const __m256 s0 = _mm256_set1_ps(scaled[i * groups + g0]), s1 = _mm256_set1_ps(scaled[i * groups + g1]);
-    const uint8_t* codes = rows + slots[i] * row_bytes + at;
-    if (bits == 4) {  // parts: even of half 0, even of half 1, odd of half 0, odd of half 1 (acc's order)
-      const __m128i c0 = _mm_loadu_si128((const __m128i*)codes), c1 = _mm_loadu_si128((const __m128i*)(codes + 16));
-      const __m128i q[4] = {_mm_and_si128(c0, mask), _mm_and_si128(c1, mask),
-                            _mm_and_si128(_mm_srli_epi16(c0, 4), mask), _mm_and_si128(_mm_srli_epi16(c1, 4), mask)};
-      for (int part = 0; part < 4; part++) {
-        const __m256 s = part % 2 ? s1 : s0;
-        v[2 * part] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[part])), v[2 * part]);
-        v[2 * part + 1] = _mm256_fmadd_ps(s, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(q[part], 8))),
-                                          v[2 * part + 1]);
+      const __m256 v0 = _mm256_set1_ps(s0), v1 = _mm256_set1_ps(s1);
+      if (bits == 4) {  // parts: even of half 0, even of half 1, odd of half 0, odd of half 1 (out's order)
+        const __m128i c0 = _mm_loadu_si128((const __m128i*)codes), c1 = _mm_loadu_si128((const __m128i*)(codes + 16));
+        const __m128i mask = _mm_set1_epi8(15);
+        const __m128i q[4] = {_mm_and_si128(c0, mask), _mm_and_si128(c1, mask),
+                              _mm_and_si128(_mm_srli_epi16(c0, 4), mask), _mm_and_si128(_mm_srli_epi16(c1, 4), mask)};
+        for (int part = 0; part < 4; part++) {
+          const __m256 v = part % 2 ? v1 : v0;
+          float* p = o + 16 * part;
+          _mm256_storeu_ps(p, _mm256_fmadd_ps(v, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q[part])),
+                                              _mm256_loadu_ps(p)));
+          _mm256_storeu_ps(p + 8, _mm256_fmadd_ps(v, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                                                         _mm_srli_si128(q[part], 8))), _mm256_loadu_ps(p + 8)));
+        }
+      } else {
+        for (int part = 0; part < 8; part++) {
+          const __m128i c = _mm_loadl_epi64((const __m128i*)(codes + 8 * part));
+          _mm256_storeu_ps(o + 8 * part, _mm256_fmadd_ps(part < 4 ? v0 : v1,
+                                                         _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c)),
+                                                         _mm256_loadu_ps(o + 8 * part)));
+        }
       }
-    } else {
-      for (int part = 0; part < 8; part++) {
-        const __m128i c = _mm_loadl_epi64((const __m128i*)(codes + 8 * part));
-        v[part] = _mm256_fmadd_ps(part < 4 ? s0 : s1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(c)), v[part]);
-      }
-    }
-  }
-  for (int part = 0; part < 8; part++) _mm256_storeu_ps(acc + 8 * part, v[part]);
 #else
-  for (int k = 0; k < 64; k++) acc[k] = 0.0f;
-  for (int64_t i = 0; i < n; i++) {
-    const float s0 = scaled[i * groups + g0], s1 = scaled[i * groups + g1];
-    const uint8_t* codes = rows + slots[i] * row_bytes + at;
-    if (bits == 4) {
-      for (int b = 0; b < 32; b++) {  // byte b: elements 2b (low nibble) and 2b + 1 (high) of the tile
-        acc[b] += (b < 16 ? s0 : s1) * (float)(codes[b] & 15);
-        acc[32 + b] += (b < 16 ? s0 : s1) * (float)(codes[b] >> 4);
+      if (bits == 4) {
+        for (int b = 0; b < 32; b++) {  // byte b: elements 2b (low nibble) and 2b + 1 (high) of the tile
+          o[b] += (b < 16 ? s0 : s1) * (float)(codes[b] & 15);
+          o[32 + b] += (b < 16 ? s0 : s1) * (float)(codes[b] >> 4);
+        }
+      } else {
+        for (int b = 0; b < 64; b++) o[b] += (b < 32 ? s0 : s1) * (float)codes[b];
       }
-    } else {
-      for (int b = 0; b < 64; b++) acc[b] += (b < 32 ? s0 : s1) * (float)codes[b];
-    }
-  }
 #endif
-}
-
-// out[j] for the 64 outputs of one tile: the rows' codes times their scaled coefficients, plus the biases'
-// part. scaled: (n, groups) each row's scales times a[i]; bias: per group, the sum over rows of a[i] times the
-// row's bias (both from lsparse_vm_q).
-static void down_tile(const uint8_t* rows, int64_t row_bytes, int64_t d, int bits, int group, const int64_t* slots,
-                      int64_t n, const float* scaled, const float* bias, int64_t tile, float* out) {
-  const int64_t g0 = tile * 64 / group, g1 = (tile * 64 + 32) / group;
-  float acc[64];
-  tile_sums(rows, row_bytes, bits, slots, n, scaled, d / group, g0, g1, tile * 64 * bits / 8, acc);
-  float* o = out + tile * 64;
-  for (int k = 0; k < 64; k++) {
-    const int element = bits == 4 ? (k < 32 ? 2 * k : 2 * (k - 32) + 1) : k;  // acc: even elements, then odd
-    o[element] = acc[k] + bias[element < 32 ? g0 : g1];
+    }
   }
 }
 
 // out = sum over i of a[i] * row(slots[i]), rows whose a[i] is 0 left out by the caller; d a multiple of 64;
-// scratch holds (n + 1) * (d / group) floats
+// scratch holds n * (d / group) + threads * d floats
 void lsparse_vm_q(const uint8_t* rows, int64_t row_bytes, int64_t d, int bits, int group, const int64_t* slots,
                   int64_t n, const float* a, float* out, float* scratch, int threads) {
   const int64_t groups = d / group, code_bytes = d * bits / 8;
-  float* bias = scratch + n * groups;
-  float row_bias[groups];
+  float* partial = scratch + n * groups;  // one d-float sum per thread
+  float bias[groups], row_bias[groups];
   for (int64_t g = 0; g < groups; g++) bias[g] = 0.0f;
-  for (int64_t i = 0; i < n; i++) {  // each row's scales and biases converted once, not once per tile
+  for (int64_t i = 0; i < n; i++) {  // each row's scales and biases converted once, times its coefficient
     const uint16_t* scales = (const uint16_t*)(rows + slots[i] * row_bytes + code_bytes);
     halves(scales, groups, NULL, a[i], scratch + i * groups);
     halves(scales + groups, groups, NULL, a[i], row_bias);
     for (int64_t g = 0; g < groups; g++) bias[g] += row_bias[g];
   }
+  if (threads < 1) threads = 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t tile = 0; tile < d / 64; tile++)
-    down_tile(rows, row_bytes, d, bits, group, slots, n, scratch, bias, tile, out);
+  for (int t = 0; t < threads; t++) {
+    float* mine = partial + t * d;
+    memset(mine, 0, d * sizeof(float));
+    rows_into(rows, row_bytes, d, bits, group, slots, n * t / threads, n * (t + 1) / threads, scratch, mine);
+  }
+  for (int64_t tile = 0; tile < d / 64; tile++) {  // the threads' sums, back in element order, plus the biases
+    for (int k = 0; k < 64; k++) {
+      float sum = 0.0f;
+      for (int t = 0; t < threads; t++) sum += partial[t * d + tile * 64 + k];
+      const int64_t element = tile * 64 + (bits == 4 ? (k < 32 ? 2 * k : 2 * (k - 32) + 1) : k);
+      out[element] = sum + bias[element / group];
+    }
+  }
 }
