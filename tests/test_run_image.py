@@ -383,3 +383,39 @@ def test_the_first_device_measurement_fits_under_a_cap_equal_to_the_budget(tmp_p
     report = json.loads(done.stderr.strip().splitlines()[-1])
     assert done.returncode == 0 and not report["oom_killed"], done.stderr
     assert json.loads(done.stdout)["flash"]["gap_rule"] == "measured" and report["peak_bytes"] <= budget
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_resident_matrices_as_stored_rows(tmp_path, bits):
+    """--resident-bits keeps attention and embeddings as 4/8-bit rows, multiplied where they lie: exact mode
+    still equals dense on the same image, both stay near the fp16 image's logits (MLX's own dequantize of the
+    same rows is the reference), and the plan counts them as stored."""
+    import mlx.core as mx
+
+    from lsparse.image.image import Image
+    folder = write_tiny_llama(tmp_path / "llama", {**TINY_LLAMA, "hidden_size": 64, "intermediate_size": 256,
+                                                   "max_position_embeddings": 128},
+                              tokenizer=shared_file("stories260K/tok512.model"))
+    options = dict(calib=shared_file("tinystories/validation_100.txt"), calib_tokens=1024, window=100, bits=8,
+                   predictor="svd", rank=8)
+    compile_image(str(folder), str(tmp_path / "stored"), CompileOptions(**options, resident_bits=bits))
+    compile_image(str(folder), str(tmp_path / "fp16"), CompileOptions(**options))
+    tokens = list(np.random.default_rng(12).integers(3, 512, 20))
+    exact, dense = load_image(tmp_path / "stored", mode="exact")[0], load_image(tmp_path / "stored", mode="dense")[0]
+    a, b = logits(exact, tokens), logits(dense, tokens)
+    np.testing.assert_allclose(a, b, atol=1e-4 * np.abs(b).max())
+    # the rows decode as MLX decodes them
+    q = Image.open(tmp_path / "stored").layer_tensors(0)["q"]
+    want = np.array(mx.dequantize(*map(mx.array, _mlx_parts(q, 64, bits)), group_size=64, bits=bits))
+    np.testing.assert_allclose(dense.model.layers[0]["q"][np.arange(64)], want, rtol=1e-6, atol=1e-6)
+    fp16 = logits(load_image(tmp_path / "fp16", mode="dense")[0], tokens)
+    assert np.abs(b - fp16).max() < (0.3 if bits == 4 else 0.05) * np.abs(fp16).max()
+    assert dense.memory_plan.attention < 0.4 * load_image(tmp_path / "fp16", mode="dense")[0].memory_plan.attention
+
+
+def _mlx_parts(rows: np.ndarray, d: int, bits: int, group: int = 64):
+    """The image's row format split as MLX keeps it: codes (uint32 words), fp32 scales, fp32 biases."""
+    codes = np.ascontiguousarray(rows[:, : d * bits // 8]).view(np.uint32)
+    scales = np.ascontiguousarray(rows[:, d * bits // 8: d * bits // 8 + 2 * (d // group)]).view(np.float16)
+    biases = np.ascontiguousarray(rows[:, d * bits // 8 + 2 * (d // group):]).view(np.float16)
+    return codes, scales.astype(np.float32), biases.astype(np.float32)

@@ -193,7 +193,7 @@ def write_synthetic(name: str, out, bits: int = 4, hot_fraction: float = 0.1, la
             created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             bundle=BundleLayout(components=tuple(BUNDLE), exact_prefix=EXACT_PREFIX, row_bytes=row_bytes(d, bits, 64),
                                 stride=bundle_stride(d, len(BUNDLE), bits, 64), d_model=d, bits=bits, group_size=64),
-            predictor="trace", recall_target=None,
+            resident_bits=16, resident_group_size=64, predictor="trace", recall_target=None,
             calibration=Calibration(text="lsparse calibration stories (traced)", tokens=t_len, held_out_tokens=0),
             options={"bits": bits, "hot_fraction": hot_fraction, "layout": layout, "trace_tokens": trace_tokens,
                      "seed": seed},

@@ -80,6 +80,8 @@ def compile_(
                                                     "|silu(gate) x up| (less quality lost; no exact mode) [gate]."),
     layout: Optional[str] = typer.Option(None, "--layout", help="Cold-neuron order on flash: coactivation or "
                                                                 "natural [coactivation]."),
+    resident_bits: Optional[int] = typer.Option(None, "--resident-bits", help="Attention and embedding matrices: "
+                                                "16 (fp16), 8 or 4 (rows in groups, like the bundles) [16]."),
     force: bool = typer.Option(False, "--force", help="Replace an existing lsparse image (never any other folder)."),
 ):
     """Calibrate a checkpoint layer by layer and write its flash image."""
@@ -90,7 +92,7 @@ def compile_(
     settings = load_preset(config) if config else {}
     given = {"calib_tokens": calib_tokens, "bits": bits, "group_size": group_size, "hot_fraction": hot_fraction,
              "predictor": predictor, "rank": rank, "recall": recall, "threshold_sparsity": threshold_sparsity,
-             "layout": layout, "threshold_on": threshold_on}
+             "layout": layout, "threshold_on": threshold_on, "resident_bits": resident_bits}
     settings.update({k: v for k, v in given.items() if v is not None})  # the command line wins over a preset
     options = CompileOptions(force=force, **settings)
     if calib:

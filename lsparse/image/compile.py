@@ -26,7 +26,7 @@ from lsparse.calibrate.residency import hot_set, neuron_scores
 from lsparse.errors import LsparseError
 from lsparse.image.bundles import component_rows, decode_bundles, encode_bundles, read_stats, row_sums, stride
 from lsparse.image.manifest import BundleLayout, Calibration, Layer, Manifest
-from lsparse.image.quantize import check, row_bytes
+from lsparse.image.quantize import check, quantize_rows, row_bytes
 from lsparse.image.replace import check_target
 from lsparse.image.writer import writing
 from lsparse.model import architecture, check_tensors
@@ -56,12 +56,13 @@ class CompileOptions:
     max_gap_bytes: int = 16384        # layout report: read through gaps smaller than this
     predictor_epochs: int = 30
     layout: str = "coactivation"      # or "natural": cold neurons in id order (the ablation bench runs)
+    resident_bits: int = 16           # attention and embedding matrices: fp16, or 4/8-bit rows in groups of group_size
     force: bool = False
 
 
 PRESETS = files("lsparse.presets")
 PRESET_KEYS = ("calib_tokens", "bits", "group_size", "hot_fraction", "predictor", "rank", "recall",
-               "threshold_sparsity", "predictor_epochs", "layout", "threshold_on")
+               "threshold_sparsity", "predictor_epochs", "layout", "threshold_on", "resident_bits")
 LAYOUTS = ("coactivation", "natural")
 THRESHOLD_ON = ("gate", "product")
 
@@ -85,6 +86,14 @@ def load_preset(name: str) -> dict:
     if unknown:
         raise LsparseError(f"{path}: unknown key(s) {', '.join(unknown)} (known: {', '.join(PRESET_KEYS)})")
     return preset
+
+
+def stored_matrices(tensors: dict, arch, options: CompileOptions) -> dict:
+    """Resident tensors as the image keeps them: the architecture's weight matrices (attention, embeddings) as
+    4/8-bit rows where --resident-bits asks, everything else (and every matrix at 16) in fp16."""
+    return {name: quantize_rows(t, options.resident_bits, options.group_size)
+            if options.resident_bits != 16 and name in arch.MATRICES else t.astype(np.float16)
+            for name, t in tensors.items()}
 
 
 def relu_sparse(args) -> bool:
@@ -171,7 +180,7 @@ def _compile_layer(cal, arch, args, options: CompileOptions, train_n: int, write
     region = writer.append_region(bundles[cold_order])
     rb = row_bytes(w["down"].shape[0], options.bits, options.group_size)
     k = arch.BUNDLE.index(arch.EXACT_PROJECTION)
-    resident = {name: t.astype(np.float16) for name, t in w.items() if name not in FFN_KEYS}
+    resident = stored_matrices({name: t for name, t in w.items() if name not in FFN_KEYS}, arch, options)
     resident.update({name: w[name].astype(np.float32) for name in ("up_bias", "down_bias") if name in w})
     resident["hot_bundles"] = np.ascontiguousarray(bundles[hot])
     resident["exact_rows"] = np.ascontiguousarray(bundles[:, k * rb:(k + 1) * rb])
@@ -206,13 +215,15 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None, t
     arch, args = architecture(checkpoint.config)
     check_tensors(checkpoint, arch, args)
     check(args.hidden_size, options.bits, options.group_size)
+    if options.resident_bits != 16:  # rows of d_model (q, k, v, embeddings) and of the heads' width (o)
+        for width in {args.hidden_size, args.num_attention_heads * args.head_dim}:
+            check(width, options.resident_bits, options.group_size)
     windows, train_n = _calibration_windows(checkpoint.tokenizer, options)
 
     with writing(out, options.force) as writer:
         checkpoint.tokenizer.save(writer.root)
         from lsparse.model import load_globals
-        writer.save_resident("globals", {k: v.astype(np.float16)
-                                         for k, v in load_globals(checkpoint, arch, args).items()})
+        writer.save_resident("globals", stored_matrices(load_globals(checkpoint, arch, args), arch, options))
         layers = []
         for cal in calibrate_layers(checkpoint, windows):
             on_epoch = None
@@ -230,6 +241,7 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None, t
                                 row_bytes=row_bytes(args.hidden_size, options.bits, options.group_size),
                                 stride=stride(args.hidden_size, len(arch.BUNDLE), options.bits, options.group_size),
                                 d_model=args.hidden_size, bits=options.bits, group_size=options.group_size),
+            resident_bits=options.resident_bits, resident_group_size=options.group_size,
             predictor=options.predictor, recall_target=options.recall,
             calibration=Calibration(text=str(options.calib), tokens=tokens, held_out_tokens=tokens - train_n),
             options={k: getattr(options, k) for k in PRESET_KEYS}, layers=tuple(layers), synthetic=None)

@@ -96,6 +96,8 @@ class Manifest:
     created: str
     lsparse_version: str
     bundle: BundleLayout
+    resident_bits: int        # 16: resident matrices (attention, embeddings) in fp16; 4 or 8: as rows, like bundles
+    resident_group_size: int
     predictor: str            # one of PREDICTORS
     recall_target: float | None
     calibration: Calibration

@@ -31,6 +31,7 @@ from lsparse.image.manifest import (
     check_layers,
     checksum,
 )
+from lsparse.image.quantize import check
 
 SHA256 = re.compile(r"[0-9a-f]{64}")
 RECORDS = {"Region": Region, "BundleLayout": BundleLayout, "FileEntry": FileEntry, "Layer": Layer,
@@ -106,6 +107,11 @@ def _check(m: Manifest, fail) -> None:
     except LsparseError as e:
         fail(f"config: {e}")
     check_bundle(m.bundle, arch, args, fail)
+    if m.resident_bits != 16:
+        try:
+            check(args.hidden_size, m.resident_bits, m.resident_group_size)
+        except LsparseError as e:
+            fail(f"resident matrices: {e}")
     if m.predictor not in PREDICTORS or (m.predictor == "trace") != (m.synthetic is not None):
         fail(f"predictor {m.predictor!r} (known: {', '.join(PREDICTORS)}; trace only for synthetic images)")
     if len(m.layers) != args.num_hidden_layers:

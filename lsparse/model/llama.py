@@ -26,6 +26,8 @@ ROPE_TYPES = ("default", "linear", "llama3")
 BUNDLE = ("up", "down", "gate")
 EXACT_PREFIX = 2
 EXACT_PROJECTION = "gate"
+# Weight matrices (out, in) an image may keep quantized as rows (compile --resident-bits): by their short names
+MATRICES = ("q", "k", "v", "o", "embed", "lm_head")
 
 
 @dataclass

@@ -14,6 +14,7 @@ ACTIVATIONS = ("relu",)
 BUNDLE = ("down", "up")
 EXACT_PREFIX = 1
 EXACT_PROJECTION = "up"
+MATRICES = ("q", "k", "v", "o", "embed", "lm_head")  # as in llama.py
 
 
 @dataclass

@@ -19,6 +19,7 @@ from lsparse.runtime.ffn_streamed import DenseFFN, StreamedFFN
 from lsparse.runtime.options import DecodeOptions
 from lsparse.runtime.plan import MemoryPlan, plan
 from lsparse.runtime.reader import DEFAULT_GAP_BYTES
+from lsparse.runtime.resident import weights as resident_weights
 
 
 class ImageModel:
@@ -76,15 +77,18 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
     arch, args = architecture(m.config)
     costs = CostLog()
     layers, ffns = [], []
+
+    def held(tensors: dict, leave_out=()) -> dict:  # resident tensors as the model code multiplies them
+        return resident_weights(tensors, arch.MATRICES, m.resident_bits, m.resident_group_size, backend.name,
+                                leave_out)
     for layer in m.layers:
         resident = image.layer_tensors(layer.index)
-        layers.append({k: v.astype(np.float32) for k, v in resident.items()
-                       if v.dtype.kind == "f" and k not in predictors.PREDICTOR_TENSORS})
+        layers.append(held(resident, leave_out=predictors.PREDICTOR_TENSORS))
         ffns.append(_layer_ffn(image, layer, resident, options, arch, args, backend, memory, fetcher, trace, costs))
     if options.lookahead:
         for this, nxt in zip(ffns, ffns[1:], strict=False):
             this.next = nxt
-    globals_ = {k: v.astype(np.float32) for k, v in image.resident("globals").items()}
+    globals_ = held(image.resident("globals"))
     model = Model(arch, args, globals_, layers, np)
     return ImageModel(image, model, ffns, costs, memory, fetcher, backend, gap, trace), image.tokenizer()
 

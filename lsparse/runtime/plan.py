@@ -10,6 +10,7 @@ import numpy as np
 
 from lsparse.errors import LsparseError
 from lsparse.image.manifest import Manifest
+from lsparse.image.quantize import row_bytes as stored_row_bytes
 from lsparse.model import architecture
 from lsparse.runtime.options import DecodeOptions
 from lsparse.runtime.reader import ALIGN
@@ -55,13 +56,20 @@ def _resident_bytes(manifest: Manifest, mode: str, context: int, row_bytes) -> d
     n_kv, _ = arch.kv_shape(args)
     n_layers = len(manifest.layers)
     d_ffs = np.array([layer.d_ff for layer in manifest.layers])
-    attention = (2 * args.num_attention_heads * h * d + 2 * n_kv * h * d) * F32 * n_layers
+
+    def matrix(out: int, width: int) -> int:  # fp32 as the model code holds fp16 ones, or rows as stored
+        if manifest.resident_bits == 16:
+            return out * width * F32
+        return out * stored_row_bytes(width, manifest.resident_bits, manifest.resident_group_size)
+
+    heads = args.num_attention_heads * h
+    attention = (matrix(heads, d) + 2 * matrix(n_kv * h, d) + matrix(d, heads)) * n_layers
     tied = manifest.config.get("tie_word_embeddings")
     ranks = [layer.predictor_rank or 0 for layer in manifest.layers]
     rows = len(manifest.bundle.components)
     return {
         "process": PROCESS_BYTES, "attention": attention,
-        "embedding_head": (args.vocab_size * d * (1 if tied else 2) + 2 * d) * F32,
+        "embedding_head": matrix(args.vocab_size, d) * (1 if tied else 2) + 2 * d * F32,
         "kv_cache": n_layers * 2 * n_kv * context * h * F32,
         "hot_neurons": sum(len(layer.hot) * row_bytes(len(layer.hot)) for layer in manifest.layers) * rows,
         "exact_gate": sum(int(n) * row_bytes(n) for n in d_ffs) if mode == "exact" else 0,
