@@ -366,10 +366,11 @@ def test_the_first_device_measurement_fits_under_a_cap_equal_to_the_budget(tmp_p
     from lsparse.runtime.plan import plan
     if not memcap.available():
         pytest.skip("needs root and the cgroup v1 memory controller")
+    from lsparse.bench.synthetic_parts import Geometry, llama_config
     monkeypatch.setitem(synthetic.GEOMETRIES, "test-85mb",
-                        {"hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 16})
+                        Geometry(llama_config(1024, 3072, 16, 1, 1, 64, 512, tied=True), 16, False, "a test"))
     image = tmp_path / "image"
-    synthetic.write_synthetic("test-85mb", image, trace_tokens=256)
+    synthetic.write_synthetic("test-85mb", image)
     assert (image / "neurons.bin").stat().st_size >= MIN_FILE_BYTES
     budget = plan(Image.open(image).manifest, None, DecodeOptions(mode="predicted", context=40)).smallest_budget
     fd = os.open(image / "neurons.bin", os.O_RDONLY)

@@ -7,7 +7,8 @@ import json
 import numpy as np
 import pytest
 
-from lsparse.bench.synthetic import record_trace, write_synthetic
+from lsparse.bench.synthetic import write_synthetic
+from lsparse.bench.trace_record import record
 from lsparse.errors import LsparseError
 from lsparse.image.image import Image
 from lsparse.image.trace import TRACE, Trace
@@ -18,12 +19,14 @@ from tests.conftest import lsparse
 @pytest.fixture(scope="module")
 def synthetic(tmp_path_factory):
     out = tmp_path_factory.mktemp("synthetic") / "tiny"
-    write_synthetic("tiny-relu", out, bits=4, trace_tokens=512)
+    write_synthetic("tiny-relu", out, bits=4)
     return out
 
 
-def test_replayed_masks_keep_each_traced_layers_statistics(synthetic):
-    masks, _ = record_trace(512)
+def test_replayed_masks_keep_each_traced_layers_statistics(synthetic, tmp_path):
+    recording = record(False, tmp_path)
+    masks = recording.replay  # the held-out tokens: the layout part is not replayed
+    assert len(recording.layout) > 3 * len(masks) > 0
     trace = Trace(synthetic / TRACE)
     for layer in Image.open(synthetic).manifest.layers:
         replayed = trace.all_masks(layer.index, len(masks))
@@ -78,3 +81,25 @@ def test_the_budget_plans_each_layers_cache_as_its_store_keeps_rows(synthetic, m
         assert {s.dtype for s in stores} == {np.dtype(np.uint8), np.dtype(np.float32)}
         assert sum(s.nbytes for s in stores) == model.memory_plan.neuron_cache
         assert budget is None or model.memory_plan.total <= budget
+
+
+def test_a_whole_geometry_costs_what_it_costs_and_its_predictor_errs(tmp_path):
+    """tiny-2-7b: attention and embeddings as 4-bit rows multiplied by the kernels, a vocabulary of its own,
+    a predictor of the real shape computed each token, and the trained predictor's masks replayed: its false
+    positives are read and its misses counted (the oracle image reads fewer bytes and misses nothing)."""
+    out = tmp_path / "full"
+    manifest = write_synthetic("tiny-2-7b", out, bits=4, layers=3)
+    assert manifest.resident_bits == 4 and len(manifest.layers) == 3 and manifest.config["vocab_size"] == 1000
+    assert all(layer.predictor_rank for layer in manifest.layers)
+    model, tok = load_image(out, mode="predicted")
+    assert type(model.model.layers[0]["q"]).__name__ == "StoredMatrix"
+    cache = model.make_cache(40)
+    for t in range(40):
+        model([int(t * 37 % 1000)], cache)
+    steps = model.costs.steps
+    assert sum(s.missed for s in steps) > 0 and sum(s.bytes_read for s in steps) > 0
+    recall = manifest.layers[0].figures["predictor"]["recall"]
+    assert 0.8 < recall < 1.0
+    done = lsparse("run", str(out), "--mode", "predicted", "-m", "4", "--json", "--ignore-chat-template")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["flash"]["missed_per_token"] > 0

@@ -101,7 +101,7 @@ def relu_sparse(args) -> bool:
     return getattr(args, "hidden_act", "relu") not in ("silu", "swish")
 
 
-def _calibration_windows(tokenizer, options: CompileOptions) -> tuple[list[list[int]], int]:
+def calibration_windows(tokenizer, options: CompileOptions) -> tuple[list[list[int]], int]:
     windows = limit_tokens(token_windows(tokenizer, read_documents(options.calib), options.window),
                            options.calib_tokens)
     total = sum(len(w) for w in windows)
@@ -218,7 +218,7 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None, t
     if options.resident_bits != 16:  # rows of d_model (q, k, v, embeddings) and of the heads' width (o)
         for width in {args.hidden_size, args.num_attention_heads * args.head_dim}:
             check(width, options.resident_bits, options.group_size)
-    windows, train_n = _calibration_windows(checkpoint.tokenizer, options)
+    windows, train_n = calibration_windows(checkpoint.tokenizer, options)
 
     with writing(out, options.force) as writer:
         checkpoint.tokenizer.save(writer.root)

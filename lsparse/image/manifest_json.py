@@ -119,9 +119,12 @@ def _check(m: Manifest, fail) -> None:
     learned = m.predictor in ("svd", "lowrank")
     for layer in m.layers:
         fractions = (layer.active_fraction, layer.max_active_fraction, layer.max_predicted_fraction)
+        # learned predictors have a rank and a threshold; exact gating neither; a synthetic image's simulated
+        # predictor a rank (its compute is real) and no threshold (its masks are replayed)
+        ranked = layer.predictor_rank is not None
         if layer.d_ff != args.intermediate_size or layer.threshold < 0 or layer.threshold_on not in THRESHOLD_ON \
-                or not all(0 <= f <= 1 for f in fractions) \
-                or (layer.predictor_rank is not None, layer.predictor_threshold is not None) != (learned, learned):
+                or not all(0 <= f <= 1 for f in fractions) or (layer.predictor_threshold is not None) != learned \
+                or (m.predictor != "trace" and ranked != learned):
             fail(f"layer {layer.index}: its size, threshold, figures or predictor fields are out of range")
     check_files(m.files, len(m.layers), m.predictor, fail)
     check_layers(m.layers, m.bundle, m.files[NEURONS].size, fail)

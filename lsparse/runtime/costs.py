@@ -24,6 +24,7 @@ class TokenCost:
     compute_s: float = 0.0
     lookahead_used: int = 0    # needed neurons that a lookahead read had already brought
     lookahead_wasted: int = 0  # neurons read ahead that the layer did not need
+    missed: int = 0            # active neurons the predictor left out (known only where masks are replayed)
 
 
 @dataclass
@@ -68,4 +69,4 @@ def flash_report(steps: list[TokenCost], dense_ffn_bytes: int) -> dict:
             "io_ms_per_token": 1e3 * mean("io_s"), "read_ms_per_token": 1e3 * mean("read_s"),
             "mem_ms_per_token": 1e3 * mean("mem_s"), "compute_ms_per_token": 1e3 * mean("compute_s"),
             "lookahead_used_per_token": mean("lookahead_used"),
-            "lookahead_wasted_per_token": mean("lookahead_wasted")}
+            "lookahead_wasted_per_token": mean("lookahead_wasted"), "missed_per_token": mean("missed")}

@@ -35,6 +35,7 @@ class PagedFFN:
         cost = self.costs.now
         with timed(cost, "compute_s"):
             active, pre = self.predictor.predict(x)  # (n_active,) ascending; the gate's values or None
+            cost.missed += getattr(self.predictor, "missed", 0)
             needed = active[self.is_cold[active]]
             if self.next is not None:
                 self.next.read_ahead(x)

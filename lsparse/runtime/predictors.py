@@ -36,11 +36,21 @@ class Scored:
 
 
 class Replayed:
-    def __init__(self, trace, index: int):
-        self.trace, self.index = trace, index
+    """A synthetic image's masks: the true ones (an oracle), or, where the image simulates a predictor, the
+    trained predictor's recorded ones, after a predictor of the real shape has run (its cost is real, its
+    output not used). `missed`: the true active neurons the last prediction left out."""
+
+    def __init__(self, trace, index: int, tensors: dict | None):
+        self.trace, self.index, self.tensors = trace, index, tensors
+        self.missed = 0
 
     def predict(self, x: np.ndarray) -> tuple[np.ndarray, None]:
-        return np.flatnonzero(self.trace.mask(self.index)), None
+        if self.tensors is None:
+            return np.flatnonzero(self.trace.mask(self.index)), None
+        predictor_scores("lowrank", self.tensors, x)
+        predicted = self.trace.mask(self.index, predicted=True)
+        self.missed = int((self.trace.mask(self.index) & ~predicted).sum())
+        return np.flatnonzero(predicted), None
 
 
 def choose(manifest: Manifest, layer: Layer, mode: str, resident: dict, exact_rows, kernels, activation,
@@ -55,7 +65,7 @@ def choose(manifest: Manifest, layer: Layer, mode: str, resident: dict, exact_ro
         return ExactGate(kernels, exact_rows, None if up_bias is None else up_bias.astype(np.float32), activation)
     if manifest.predictor == "exact":
         raise LsparseError("this image was compiled with --predictor exact: run it in exact or dense mode")
-    if manifest.predictor == "trace":
-        return Replayed(trace, layer.index)
     tensors = {k: np.ascontiguousarray(resident[k], dtype=np.float32) for k in PREDICTOR_TENSORS if k in resident}
+    if manifest.predictor == "trace":
+        return Replayed(trace, layer.index, tensors if layer.predictor_rank and trace.predicted is not None else None)
     return Scored(manifest.predictor, tensors, layer.predictor_threshold + threshold_shift)
