@@ -131,3 +131,14 @@ def print_kernels(result: dict, console=None) -> None:
     console.print(table)
     for key, share in result["break_even"].items():
         console.print(f"{key}: sparse still faster at {share:.0%} active")
+    memory = result.get("memory")
+    if memory:
+        console.print(f"From memory (rows of 24 layers, beyond the caches), 7B 4-bit; streaming read "
+                      f"{memory['stream_gbps']:.1f} GB/s on these cores:")
+        for r in memory["rows"]:
+            peer = f", {r['vs_llama_cpp_dense']:.1f}x llama.cpp's dense step" if "vs_llama_cpp_dense" in r else ""
+            console.print(f"  {r['active_share']:.0%} active: {r['step_ms']:.3f} ms, {r['gbps']:.1f} GB/s "
+                          f"({r['of_bandwidth']:.0%} of streaming){peer}")
+        if memory["llama_cpp"]:
+            console.print(f"  llama.cpp dense step ({memory['llama_cpp']['settings']}): "
+                          f"{memory['llama_cpp']['step_ms']:.2f} ms per token")

@@ -61,13 +61,14 @@ LADDER = [
 SYNTHETIC_RUNGS = ("hybrid", "+predictor", "+window", "+bundles+layout", "+hot", "+4-bit", "+packed cache")
 
 
-def synthetic_base(name: str, folder: Path, progress) -> Path:
+def synthetic_base(name: str, folder: Path, progress, layers: int | None = None) -> Path:
     """The full-system variant of a synthetic model, written once into its variants folder."""
     from lsparse.bench.synthetic import write_synthetic
     out = folder / "4bit-hot"
-    if not is_image(out) or Image.open(out).manifest.option("layout") != "coactivation":
+    if not is_image(out) or Image.open(out).manifest.option("layout") != "coactivation" \
+            or Image.open(out).manifest.option("layers") != layers:
         progress(f"writing synthetic:{name} into {out}")
-        write_synthetic(name, out, bits=4, shared=folder / ".neurons", progress=progress)
+        write_synthetic(name, out, bits=4, shared=folder / ".neurons", progress=progress, layers=layers)
     return out
 
 

@@ -177,7 +177,8 @@ def _trace_file(writer, recording: Recording, n_layers: int, d_ff: int, rng) -> 
     if tiles * traced_ff != d_ff:
         raise LsparseError(f"d_ff {d_ff} is not a multiple of the traced model's {traced_ff}")
     perms = np.stack([np.stack([rng.permutation(traced_ff) for _ in range(tiles)]) for _ in range(n_layers)])
-    extra = {} if recording.predicted is None else {"predicted": np.packbits(recording.predicted, axis=-1)}
+    extra = {} if recording.predicted is None else {"predicted": np.packbits(recording.predicted, axis=-1),
+                                                    "ahead": np.packbits(recording.ahead, axis=-1)}
     np.savez(writer.path(TRACE), masks=np.packbits(recording.replay, axis=-1), d_ff=traced_ff,
              perms=perms.astype(np.int16), offsets=rng.integers(0, tokens, tiles),
              source_layer=np.arange(n_layers) % traced_layers, **extra)

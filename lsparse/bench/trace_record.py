@@ -19,6 +19,8 @@ class Recording:
     layout: np.ndarray               # (layout tokens, layers, d_ff) bool: the masks hot sets and order come from
     replay: np.ndarray               # (replay tokens, layers, d_ff) bool: the true masks replayed while decoding
     predicted: np.ndarray | None     # (replay tokens, layers, d_ff) bool: the predictor's masks, or None
+    ahead: np.ndarray | None         # the same, each layer's predictor on the previous layer's FFN input (the
+                                     # lookahead's guess, Deja Vu); layer 0 has none and repeats its prediction
     tokenizer: object
     predictor_recall: float | None   # of the predicted masks against the true ones
 
@@ -43,15 +45,18 @@ def record(predicted: bool, folder: Path) -> Recording:
     checkpoint = resolve(TRACE_MODEL)
     windows, train_n = calibration_windows(checkpoint.tokenizer, CompileOptions())
     image = Image.open(_predictor_image(folder)) if predicted else None
-    true, guessed = [], []
+    true, guessed, ahead, before = [], [], [], None
     for cal in calibrate_layers(checkpoint, windows):
         true.append(cal.activations != 0)  # (tokens, d_ff): a ReLU model's zeros are exact
         if image is not None:
-            layer = image.manifest.layers[cal.index]
+            threshold = image.manifest.layers[cal.index].predictor_threshold
             tensors = {k: v.astype(np.float32) for k, v in image.layer_tensors(cal.index).items()
                        if k in ("W1", "W2", "b2")}
-            guessed.append(predictor_scores("lowrank", tensors, cal.inputs[train_n:]) > layer.predictor_threshold)
+            guessed.append(predictor_scores("lowrank", tensors, cal.inputs[train_n:]) > threshold)
+            ahead.append(guessed[-1] if before is None else predictor_scores("lowrank", tensors, before) > threshold)
+            before = cal.inputs[train_n:]
     masks = np.stack(true, axis=1)
     pred = np.stack(guessed, axis=1) if guessed else None
     recall = float((pred & masks[train_n:]).sum() / max(masks[train_n:].sum(), 1)) if pred is not None else None
-    return Recording(masks[:train_n], masks[train_n:], pred, checkpoint.tokenizer, recall)
+    return Recording(masks[:train_n], masks[train_n:], pred, np.stack(ahead, axis=1) if ahead else None,
+                     checkpoint.tokenizer, recall)

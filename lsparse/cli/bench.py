@@ -21,8 +21,15 @@ def bench(
     gen_tokens: int = typer.Option(256, "--gen-tokens", min=1, help="Greedy tokens generated per prompt."),
     quality_tokens: int = typer.Option(4096, "--quality-tokens", min=2, help="Tokens of each text for perplexity."),
     rungs: Optional[str] = typer.Option(None, "--rungs", help="Comma-separated rungs to run (default: all)."),
-    budgets: str = typer.Option("0.25,0.5,0.75", "--budgets",
-                                help="Shares of the dense model's RAM for the full system's sweep ('' for none)."),
+    budgets: str = typer.Option("0.25,0.5,0.75", "--budgets", help="Shares of the model as stored: the RAM budgets "
+                                "(hard caps where root can set them) of the full system's sweep ('' for none)."),
+    against: Optional[str] = typer.Option(None, "--against", help="llama.cpp: compare with it under the same "
+                                          "caps, on a synthetic image's geometry (synthetic:NAME)."),
+    tokens: int = typer.Option(16, "--tokens", min=2, help="--against: tokens each run generates."),
+    rounds: int = typer.Option(2, "--rounds", min=1, help="--against: rounds of interleaved runs."),
+    llama_python: Optional[str] = typer.Option(None, "--llama-python", help="--against: a Python with "
+                                               "llama-cpp-python [this one]."),
+    layers: Optional[int] = typer.Option(None, "--layers", min=1, help="Synthetic images: fewer layers (tests)."),
     variants: Optional[str] = typer.Option(None, "--variants", help="Where variant images go [IMAGE.variants]."),
     readers: int = typer.Option(DEFAULT_READERS, "--readers", min=1,
                                 help="Reader threads, each with one read in flight."),
@@ -36,10 +43,16 @@ def bench(
 
     from rich.console import Console
     err = Console(stderr=True)
+    if against is not None:
+        return _against(image, against, numbers(budgets, "--budgets"), tokens, rounds, llama_python, layers,
+                        variants, as_json, csv, plot, err)
     if image == "kernels":
         from lsparse.bench.kernels import bench_kernels, print_kernels
+        from lsparse.bench.memory import memory_section
         with err.status("timing FFN steps") as status:
             result = bench_kernels(progress=lambda m: status.update(m))
+            result["memory"] = memory_section(llama_python, Path(variants or "out/bench"),
+                                              progress=lambda m: status.update(m))
         return show(result, as_json, print_kernels)
 
     from lsparse.bench.ladder import BenchOptions
@@ -56,3 +69,29 @@ def bench(
     if plot:
         plot_ladder(result, plot)
     show(result, as_json, print_ladder)
+
+
+def _against(image, peer, budgets, tokens, rounds, llama_python, layers, variants, as_json, csv, plot, err):
+    import sys
+    from pathlib import Path
+
+    from lsparse.bench.against import Against, compare, print_summary
+    from lsparse.bench.against import plot as plot_against
+    from lsparse.bench.against import write_csv as write_against_csv
+    from lsparse.bench.rungs import synthetic_base
+    from lsparse.errors import LsparseError
+    if peer != "llama.cpp":
+        raise LsparseError(f"--against {peer}: the peer lsparse compares with is llama.cpp")
+    if not image.startswith("synthetic:"):
+        raise LsparseError("--against runs on a synthetic image's geometry: synthetic:NAME (llama-2-7b)")
+    name = image.split(":", 1)[1]
+    folder = Path(variants) if variants else Path("out") / "synthetic" / (name + (f"-{layers}" if layers else ""))
+    with err.status("benchmarking against llama.cpp") as status:
+        base = synthetic_base(name, folder, lambda m: status.update(m), layers)
+        result = compare(Against(base, folder / f"{name}-q4_0.gguf", budgets, tokens, rounds,
+                                 llama_python or sys.executable), progress=lambda m: status.update(m))
+    if csv:
+        write_against_csv(result, csv)
+    if plot:
+        plot_against(result, plot)
+    show(result, as_json, print_summary)

@@ -22,15 +22,18 @@ class Trace:
         self.masks = np.unpackbits(data["masks"], axis=-1, count=d_ff).astype(bool)  # (tokens, layers, d_ff)
         self.predicted = np.unpackbits(data["predicted"], axis=-1, count=d_ff).astype(bool) \
             if "predicted" in data else None                                          # the same, or None
+        self.ahead = np.unpackbits(data["ahead"], axis=-1, count=d_ff).astype(bool) \
+            if "ahead" in data else None  # the predictor on the previous layer's input: the lookahead's guess
         self.perms, self.offsets, self.source_layer = data["perms"], data["offsets"], data["source_layer"]
         self.position = -1
 
     def step(self) -> None:
         self.position += 1
 
-    def mask(self, layer: int, predicted: bool = False) -> np.ndarray:
-        """(d_ff,) bool: the synthetic layer's neurons active at this token (or predicted active)."""
-        masks = self.predicted if predicted else self.masks
+    def mask(self, layer: int, predicted: bool = False, ahead: bool = False) -> np.ndarray:
+        """(d_ff,) bool: the synthetic layer's neurons active at this token (or predicted active, or guessed a
+        layer ahead)."""
+        masks = self.ahead if ahead else self.predicted if predicted else self.masks
         rows = (self.position + self.offsets) % len(masks)             # one trace token per tile
         tiles = masks[rows, self.source_layer[layer]]                  # (tiles, d_ff of the traced model)
         return np.take_along_axis(tiles, self.perms[layer], axis=1).ravel()

@@ -67,6 +67,8 @@ def flash_report(steps: list[TokenCost], dense_ffn_bytes: int) -> dict:
             "mean_read_bytes": sum(s.bytes_read for s in steps) / reads if reads else 0.0,
             "cache_hit_rate": sum(s.hits for s in steps) / lookups if lookups else 1.0,
             "io_ms_per_token": 1e3 * mean("io_s"), "read_ms_per_token": 1e3 * mean("read_s"),
+            # reads hidden behind compute (hot neurons computed meanwhile, reads started a layer ahead)
+            "overlap_ms_per_token": max(0.0, 1e3 * (mean("read_s") - mean("io_s"))),
             "mem_ms_per_token": 1e3 * mean("mem_s"), "compute_ms_per_token": 1e3 * mean("compute_s"),
             "lookahead_used_per_token": mean("lookahead_used"),
             "lookahead_wasted_per_token": mean("lookahead_wasted"), "missed_per_token": mean("missed")}

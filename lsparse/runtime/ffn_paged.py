@@ -98,7 +98,7 @@ class PagedFFN:
     def read_ahead(self, x_before: np.ndarray) -> None:
         """Lookahead: guess this layer's neurons from the previous layer's FFN input (the hidden state changes
         little from layer to layer: Deja Vu) and start reading the uncached ones through the lookahead reader."""
-        guess, _ = self.predictor.predict(x_before)
+        guess = self.predictor.guess(x_before)
         want = guess[self.is_cold[guess]]
         want = want[self.cache.slot_of[want] < 0]
         if len(want):

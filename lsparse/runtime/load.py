@@ -97,11 +97,13 @@ def _trace(image: Image, options: DecodeOptions):
     """A synthetic image's replayed masks, in the modes that can use them."""
     if image.manifest.predictor != "trace":
         return None
-    if options.mode not in ("predicted", "hybrid") or options.lookahead:
-        raise LsparseError(f"{image.path} is synthetic (random weights, neuron masks replayed from a recorded "
-                           "trace): run it in predicted or hybrid mode, without lookahead")
     from lsparse.image.trace import TRACE, Trace
-    return Trace(image.file(TRACE))
+    trace = Trace(image.file(TRACE))
+    if options.mode not in ("predicted", "hybrid") or (options.lookahead and trace.ahead is None):
+        raise LsparseError(f"{image.path} is synthetic (random weights, neuron masks replayed from a recorded "
+                           "trace): run it in predicted or hybrid mode (with lookahead only where the trace "
+                           "recorded the lookahead's guesses)")
+    return trace
 
 
 def _fetcher(image: Image, options: DecodeOptions, memory: MemoryPlan) -> tuple[Fetcher | None, dict]:

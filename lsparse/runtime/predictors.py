@@ -26,6 +26,9 @@ class ExactGate:
         pre, active = self.kernels.gate(self.rows, x, self.up_bias, self.cut, self.cats)
         return active, pre
 
+    def guess(self, x_before: np.ndarray) -> np.ndarray:
+        return self.predict(x_before)[0]
+
 
 class Scored:
     def __init__(self, kind: str, tensors: dict, threshold: float):
@@ -33,6 +36,9 @@ class Scored:
 
     def predict(self, x: np.ndarray) -> tuple[np.ndarray, None]:
         return np.flatnonzero((predictor_scores(self.kind, self.tensors, x) > self.threshold).any(0)), None
+
+    def guess(self, x_before: np.ndarray) -> np.ndarray:
+        return self.predict(x_before)[0]
 
 
 class Replayed:
@@ -51,6 +57,14 @@ class Replayed:
         predicted = self.trace.mask(self.index, predicted=True)
         self.missed = int((self.trace.mask(self.index) & ~predicted).sum())
         return np.flatnonzero(predicted), None
+
+    def guess(self, x_before: np.ndarray) -> np.ndarray:
+        """The lookahead's guess from the previous layer's input: the recorded one (the predictor's own
+        prediction on an oracle trace, where none was recorded)."""
+        if self.tensors is None or self.trace.ahead is None:
+            return self.predict(x_before)[0]
+        predictor_scores("lowrank", self.tensors, x_before)
+        return np.flatnonzero(self.trace.mask(self.index, ahead=True))
 
 
 def choose(manifest: Manifest, layer: Layer, mode: str, resident: dict, exact_rows, kernels, activation,

@@ -89,6 +89,7 @@ def print_report(result: dict, out) -> None:
                   f"({f['share_of_dense_ffn']:.2%} of a dense step's {f['dense_ffn_bytes'] / 1e6:.2f} MB of FFN), "
                   f"{f['reads_per_token']:.1f} reads of {f['mean_read_bytes'] / 1e3:.1f} KB, cache hits "
                   f"{f['cache_hit_rate']:.1%}{'' if f['direct_io'] else ' (buffered I/O)'}\n")
-        out.write(f"Per token: I/O {f['io_ms_per_token']:.2f} ms, memory {f['mem_ms_per_token']:.2f} ms, "
+        out.write(f"Per token: I/O {f['io_ms_per_token']:.2f} ms waited (reads {f['read_ms_per_token']:.2f} ms, "
+                  f"{f['overlap_ms_per_token']:.2f} of them behind compute), memory {f['mem_ms_per_token']:.2f} ms, "
                   f"compute {f['compute_ms_per_token']:.2f} ms\n")
     out.write(f"Peak memory: {result['peak_memory_bytes'] / 1e9:.3f} GB\n")
