@@ -53,6 +53,9 @@ test-slow: $(VENV)/.installed-test proof-tools
 	$(BIN)/python -m pytest -q -rs -m slow
 
 BENCH_IMAGE ?= out/bench-image
+# A Python with llama-cpp-python, the peer (`pip install 'lsparse[peer]'` builds it, about 25 minutes; on a CPU
+# whose AMX llama.cpp cannot use, build it with CMAKE_ARGS="-DCMAKE_C_FLAGS=-mno-amx-tile -DCMAKE_CXX_FLAGS=...")
+LLAMA_PYTHON ?= $(BIN)/python
 BENCH_TEXTS = --text $(SHARED)/tinystories/validation_100.txt --text $(SHARED)/wikitext-2-raw/wiki.test.raw
 
 SHOW_LADDER = $(BIN)/python -c "import json, sys; from lsparse.bench.report import print_ladder; \
@@ -70,11 +73,17 @@ bench: $(VENV)/.installed-test
 		--budgets 0.25,0.5 --json --csv out/bench/ladder-7b.csv --plot out/bench/ladder-7b.png \
 		> out/bench/ladder-7b.json
 	$(SHOW_LADDER) out/bench/ladder-7b.json
-	OPENBLAS_NUM_THREADS=1 $(BIN)/lsparse bench kernels --json > out/bench/kernels.json
+	OPENBLAS_NUM_THREADS=1 $(BIN)/lsparse bench kernels --llama-python $(LLAMA_PYTHON) --json \
+		> out/bench/kernels.json
 	$(BIN)/python -c "import json; from lsparse.bench.kernels import print_kernels; \
 		print_kernels(json.load(open('out/bench/kernels.json')))"
 	$(BIN)/python scripts/bench_dense.py
 	$(BIN)/python scripts/bench_reader.py
+	$(BIN)/lsparse bench synthetic:llama-2-7b --against llama.cpp --budgets 1.0,0.5,0.35 --tokens 16 --rounds 2 \
+		--llama-python $(LLAMA_PYTHON) --json --csv out/bench/against-7b.csv --plot out/bench/against-7b.png \
+		> out/bench/against-7b.json || echo "note: the comparison with llama.cpp needs LLAMA_PYTHON=a Python with llama-cpp-python"
+	$(BIN)/python -c "import json; from lsparse.bench.against import print_summary; \
+		print_summary(json.load(open('out/bench/against-7b.json')))" || true
 
 lint: $(VENV)/.installed-test
 	$(BIN)/ruff check lsparse tests scripts

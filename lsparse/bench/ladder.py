@@ -20,8 +20,7 @@ from lsparse.bench.worker import can_cap, in_subprocess
 from lsparse.errors import LsparseError
 from lsparse.image.image import Image
 from lsparse.model import architecture
-from lsparse.runtime.options import DEFAULT_READERS, DecodeOptions
-from lsparse.runtime.plan import MemoryPlan, plan
+from lsparse.runtime.options import DEFAULT_READERS
 
 
 @dataclass
@@ -84,16 +83,16 @@ def _run_rungs(rungs: list[Rung], images: dict, prompts, windows, options: Bench
     return results, quality_done
 
 
-def _sweep(full: Rung, image: Path, prompts, options: BenchOptions, context: int, dense: MemoryPlan,
-           perplexity: dict, progress) -> list[dict]:
-    """The full system at each budget, a share of the dense model's planned RAM, under a hard cap equal to the
-    budget where this machine can set one."""
-    dense_model = dense.total - dense.process - dense.kv_cache
+def _sweep(full: Rung, image: Path, prompts, options: BenchOptions, context: int, perplexity: dict,
+           progress) -> list[dict]:
+    """The full system at each budget, a share of the model as stored (as `run --ram-budget 50%` means it),
+    under a hard cap equal to the budget where this machine can set one."""
+    stored = Image.open(image).model_bytes()
     sweep = []
     for share in options.budgets:
-        budget = dense.total - dense_model + int(share * dense_model)
+        budget = int(share * stored)
         rung = Rung(f"+4-bit at {share:.0%}", full.variant, full.mode, budget=budget)
-        progress(f"rung {rung.name} of the dense model's RAM")
+        progress(f"rung {rung.name} of the model as stored")
         spec = {"rung": asdict(rung), "image": str(image), "prompts": prompts[:1], "gen_tokens": options.gen_tokens,
                 "workers": options.workers, "context": context, "quality": {}}
         try:
@@ -134,13 +133,11 @@ def bench(image, options: BenchOptions, progress=print) -> dict:
     references = {"4bit": results.get("dense 4-bit"), "fp16": results.get("dense fp16")}
     rows = [summary(r, results[r.name], references["4bit" if r.variant.startswith("4bit") else "fp16"])
             for r in rungs]
-    # the dense model's RAM, planned rather than run: a 7B dense step would not fit here
-    dense = plan(meta, None, DecodeOptions(mode="dense", context=context))
     full = next((r for r in rungs if r.name == "+4-bit"), None)
-    sweep = _sweep(full, images[full.variant], prompts, options, context, dense,
+    sweep = _sweep(full, images[full.variant], prompts, options, context,
                    quality_done.get((full.variant, full.mode), {}), progress) if full and options.budgets else []
     return {"image": str(image), "source": meta.source, "synthetic": asdict(meta.synthetic) if meta.synthetic else None,
-            "dense_model_ram_bytes": dense.total - dense.process - dense.kv_cache, "prompts": len(prompts),
+            "model_bytes": opened.model_bytes(), "prompts": len(prompts),
             "prompt_tokens": options.prompt_tokens, "gen_tokens": options.gen_tokens,
             "texts": [] if options.synthetic else [str(t) for t in options.texts],
             "quality_tokens": options.quality_tokens,

@@ -101,17 +101,17 @@ def write_csv(result: dict, path) -> None:
 
 
 def plot_ladder(result: dict, path) -> None:
-    """Latency per token against each configuration's measured peak memory, as a share of the dense model's
-    planned RAM (LLM in a Flash, Figure 7). Naive computes from RAM copies: its point overstates its memory."""
+    """Latency per token against each configuration's measured peak memory, as a share of the model as stored
+    (LLM in a Flash, Figure 7). Naive computes from RAM copies: its point overstates its memory."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     rows = [r for r in result["rows"] + result["sweep"] if "refused" not in r]
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
-        x = r["peak_memory_bytes"] / result["dense_model_ram_bytes"]
+        x = r["peak_memory_bytes"] / result["model_bytes"]
         ax.scatter(x, 1e3 / r["tokens_per_second"], label=r["rung"])
-    ax.set_xlabel("peak memory, share of the dense model's RAM (fp32 rows)")
+    ax.set_xlabel("peak memory, share of the model as stored")
     ax.set_ylabel("ms per token")
     ax.set_yscale("log")
     ax.set_title(f"{Path(result['image']).name}: latency against RAM")

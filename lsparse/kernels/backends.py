@@ -91,7 +91,8 @@ class CpuKernels:
         stored = store.dtype == np.uint8
         if self.native and len(store if slots is None else slots) * self.d >= NATIVE_MIN_WEIGHTS and (
                 stored or slots is not None):  # OpenBLAS beats C over all of an fp32 store
-            slots = np.arange(len(store)) if slots is None else slots
+            if not stored:
+                slots = np.arange(len(store)) if slots is None else slots
             return np.stack([(stored_fn if stored else fp32_fn)(store, slots, row) for row in vector])
         rows = store if slots is None else store[slots]
         return numpy_fn(vector, self._decoded(rows))

@@ -191,17 +191,14 @@ class GatheredProducts:
         group first (int8_x: as llama.cpp's Q8 activations; about 1% of the largest output) and each group's
         sum is exact in integers (lsparse/kernels/native/q.c)."""
         assert rows.dtype == np.uint8 and rows.flags.c_contiguous
-        slots, x = np.ascontiguousarray(slots, dtype=np.int64), np.ascontiguousarray(x, dtype=np.float32)
+        x = np.ascontiguousarray(x, dtype=np.float32)
         d = len(x)
+        if slots is None and int8_x(d):  # every row, in order: no list of slots to make or follow
+            return self._mv_q8x(rows, None, len(rows), x, bits, group)
+        slots = np.ascontiguousarray(np.arange(len(rows)) if slots is None else slots, dtype=np.int64)
         y = np.empty(len(slots), dtype=np.float32)
         if int8_x(d):
-            groups = d // group
-            xq, scale, xsum = np.empty(d, np.int8), np.empty(groups, np.float32), np.empty(groups, np.float32)
-            self.lib.lsparse_quantize_x(x.ctypes.data, d, group, bits, xq.ctypes.data, scale.ctypes.data,
-                                        xsum.ctypes.data)
-            self.lib.lsparse_mv_q8x(rows.ctypes.data, rows.shape[1], d, bits, group, slots.ctypes.data, len(slots),
-                                    xq.ctypes.data, scale.ctypes.data, xsum.ctypes.data, y.ctypes.data, THREADS)
-            return y
+            return self._mv_q8x(rows, slots, len(slots), x, bits, group)
 
         def run(a, b):
             scratch = np.empty(2 * d + d // group, dtype=np.float32)
@@ -211,10 +208,24 @@ class GatheredProducts:
         _split(len(slots), d, run)
         return y
 
+    def _mv_q8x(self, rows: np.ndarray, slots: np.ndarray | None, n: int, x: np.ndarray, bits: int,
+                group: int) -> np.ndarray:
+        """q.c's product: x to 8 bits per group, then the rows at slots (None: rows 0..n-1)."""
+        d, groups = len(x), len(x) // group
+        xq, scale, xsum = np.empty(d, np.int8), np.empty(groups, np.float32), np.empty(groups, np.float32)
+        self.lib.lsparse_quantize_x(x.ctypes.data, d, group, bits, xq.ctypes.data, scale.ctypes.data,
+                                    xsum.ctypes.data)
+        y = np.empty(n, dtype=np.float32)
+        self.lib.lsparse_mv_q8x(rows.ctypes.data, rows.shape[1], d, bits, group,
+                                None if slots is None else slots.ctypes.data, n, xq.ctypes.data, scale.ctypes.data,
+                                xsum.ctypes.data, y.ctypes.data, THREADS)
+        return y
+
     def vm_q(self, rows: np.ndarray, slots: np.ndarray, a: np.ndarray, d: int, bits: int, group: int) -> np.ndarray:
-        """a (len(slots),) -> (d,) over 4/8-bit rows; rows whose coefficient is 0 are not read."""
+        """a (len(slots),) -> (d,) over 4/8-bit rows (slots None: every row); rows whose coefficient is 0 are not
+        read."""
         assert rows.dtype == np.uint8 and rows.flags.c_contiguous
-        slots, a = _nonzero(slots, a)
+        slots, a = _nonzero(np.arange(len(rows)) if slots is None else slots, a)
         if int8_x(d):  # d a multiple of 64: q.c's tiled product (x plays no part here)
             out, scratch = np.empty(d, np.float32), np.empty(len(slots) * (d // group) + THREADS * d, np.float32)
             self.lib.lsparse_vm_q(rows.ctypes.data, rows.shape[1], d, bits, group, slots.ctypes.data, len(slots),

@@ -99,6 +99,11 @@ static inline float hsum(__m256 v) {
 }
 #endif
 
+// log2 of a group size (32, 64 or 128): a shift, where a division by a variable costs tens of cycles.
+static inline int group_shift(int group) {
+  return group == 32 ? 5 : group == 64 ? 6 : 7;
+}
+
 // Gathered rows lie anywhere: ask for a row two ahead so that it arrives while this one is multiplied.
 static inline void prefetch_row(const uint8_t* row, int64_t row_bytes) {
   for (int64_t at = 0; at < row_bytes; at += 64) __builtin_prefetch(row + at);
@@ -126,32 +131,37 @@ static float row_dot(const uint8_t* row, int64_t d, int bits, int group, const i
   halves(scales + groups, groups, xsum, 1.0f, bias);
   float acc = 0.0f;
   for (int64_t g = 0; g < groups; g++) acc += bias[g];
+  const int shift = group_shift(group);
 #ifdef LSPARSE_AVX2
-  __m256 accv = _mm256_setzero_ps();
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();  // two chains: an FMA's latency hidden
   for (int64_t c = 0; c < d / 64; c++) {
     const __m256 isum = _mm256_cvtepi32_ps(chunk_dot_avx2(row + c * chunk_bytes, xq + c * 64, bits));
     const __m256 f = group == 32 ? _mm256_set_m128(_mm_set1_ps(factor[2 * c + 1]), _mm_set1_ps(factor[2 * c]))
-                                 : _mm256_set1_ps(factor[c * 64 / group]);  // the halves' groups' factors
-    accv = _mm256_fmadd_ps(isum, f, accv);
+                                 : _mm256_set1_ps(factor[(c * 64) >> shift]);  // the halves' groups' factors
+    if (c % 2)
+      acc1 = _mm256_fmadd_ps(isum, f, acc1);
+    else
+      acc0 = _mm256_fmadd_ps(isum, f, acc0);
   }
-  acc += hsum(accv);
+  acc += hsum(_mm256_add_ps(acc0, acc1));
 #else
   for (int64_t c = 0; c < d / 64; c++) {
     int32_t half[2];
     chunk_dot(row + c * chunk_bytes, xq + c * 64, bits, half);
-    acc += (float)half[0] * factor[c * 64 / group] + (float)half[1] * factor[(c * 64 + 32) / group];
+    acc += (float)half[0] * factor[(c * 64) >> shift] + (float)half[1] * factor[(c * 64 + 32) >> shift];
   }
 #endif
   return acc;
 }
 
-// y[i] = row(slots[i]) . x, x as lsparse_quantize_x left it; d a multiple of 64
+// y[i] = row(slots[i]) . x (slots NULL: row i, the rows in order), x as lsparse_quantize_x left it; d a multiple
+// of 64
 void lsparse_mv_q8x(const uint8_t* rows, int64_t row_bytes, int64_t d, int bits, int group, const int64_t* slots,
                     int64_t n, const int8_t* xq, const float* xscale, const float* xsum, float* y, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t i = 0; i < n; i++) {
-    if (i + 2 < n) prefetch_row(rows + slots[i + 2] * row_bytes, row_bytes);
-    y[i] = row_dot(rows + slots[i] * row_bytes, d, bits, group, xq, xscale, xsum);
+    if (i + 2 < n) prefetch_row(rows + (slots ? slots[i + 2] : i + 2) * row_bytes, row_bytes);
+    y[i] = row_dot(rows + (slots ? slots[i] : i) * row_bytes, d, bits, group, xq, xscale, xsum);
   }
 }
 
@@ -161,6 +171,7 @@ void lsparse_mv_q8x(const uint8_t* rows, int64_t row_bytes, int64_t d, int bits,
 static void rows_into(const uint8_t* rows, int64_t row_bytes, int64_t d, int bits, int group, const int64_t* slots,
                       int64_t start, int64_t stop, const float* scaled, float* out) {
   const int64_t groups = d / group, tiles = d / 64, tile_bytes = 64 * bits / 8;
+  const int shift = group_shift(group);
   int64_t i = start;
 #if defined(LSPARSE_AVX512)
   if (bits == 4) {  // four rows a pass: out's tile loaded and stored once for all four
@@ -177,7 +188,7 @@ static void rows_into(const uint8_t* rows, int64_t row_bytes, int64_t d, int bit
         float* o = out + t * 64;
         __m512 e0 = _mm512_loadu_ps(o), e1 = _mm512_loadu_ps(o + 16), o0 = _mm512_loadu_ps(o + 32),
                o1 = _mm512_loadu_ps(o + 48);
-        const int64_t g0 = t * 64 / group, g1 = (t * 64 + 32) / group;
+        const int64_t g0 = (t * 64) >> shift, g1 = (t * 64 + 32) >> shift;
         for (int k = 0; k < 4; k++) {
           const uint8_t* codes = r[k] + t * tile_bytes;
           const __m128i c0 = _mm_loadu_si128((const __m128i*)codes), c1 = _mm_loadu_si128((const __m128i*)(codes + 16));
@@ -202,7 +213,7 @@ static void rows_into(const uint8_t* rows, int64_t row_bytes, int64_t d, int bit
     const uint8_t* row = rows + slots[i] * row_bytes;
     const float* s = scaled + i * groups;
     for (int64_t t = 0; t < tiles; t++) {
-      const float s0 = s[t * 64 / group], s1 = s[(t * 64 + 32) / group];
+      const float s0 = s[(t * 64) >> shift], s1 = s[(t * 64 + 32) >> shift];
       const uint8_t* codes = row + t * tile_bytes;
       float* o = out + t * 64;
 #if defined(LSPARSE_AVX2)
