@@ -188,6 +188,8 @@ def plot(result: dict, path) -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    from lsparse.bench.report import save_plot
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for engine in ("lsparse", "llama.cpp (mmap)"):
         points = sorted((s["budget_share"], s["tokens_per_second"]) for s in result["summary"]
@@ -197,11 +199,5 @@ def plot(result: dict, path) -> None:
     best = next((s["tokens_per_second"] for s in result["summary"] if s["engine"] == "llama.cpp (defaults)"), None)
     if best:
         ax.axhline(best, ls="--", color="gray", label="llama.cpp defaults, uncapped")
-    ax.set_xlabel("hard memory cap, % of the model as stored")
-    ax.set_ylabel("tokens per second")
-    ax.set_yscale("log")
-    ax.set_title(f"{Path(result['image']).parent.name}: decode speed under a memory cap")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_plot(fig, ax, "hard memory cap, % of the model as stored", "tokens per second",
+              f"{Path(result['image']).parent.name}: decode speed under a memory cap", path)

@@ -111,10 +111,17 @@ def plot_ladder(result: dict, path) -> None:
     for r in rows:
         x = r["peak_memory_bytes"] / result["model_bytes"]
         ax.scatter(x, 1e3 / r["tokens_per_second"], label=r["rung"])
-    ax.set_xlabel("peak memory, share of the model as stored")
-    ax.set_ylabel("ms per token")
+    save_plot(fig, ax, "peak memory, share of the model as stored", "ms per token",
+              f"{Path(result['image']).name}: latency against RAM", path)
+
+
+def save_plot(fig, ax, xlabel: str, ylabel: str, title: str, path) -> None:
+    """A bench plot's axes (the y one logarithmic), legend and file."""
+    import matplotlib.pyplot as plt
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
     ax.set_yscale("log")
-    ax.set_title(f"{Path(result['image']).name}: latency against RAM")
+    ax.set_title(title)
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
