@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 
 from lsparse.errors import LsparseError
 from lsparse.kernels.backends import KERNELS
@@ -44,10 +44,6 @@ class DecodeOptions:
 
     def but(self, **changes) -> "DecodeOptions":
         return replace(self, **changes)
-
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in fields(cls))
 
 
 def parse_budget(text: str | None, image=None) -> int | None:
