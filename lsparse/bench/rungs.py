@@ -65,8 +65,7 @@ def synthetic_base(name: str, folder: Path, progress, layers: int | None = None)
     """The full-system variant of a synthetic model, written once into its variants folder."""
     from lsparse.bench.synthetic import write_synthetic
     out = folder / "4bit-hot"
-    if not is_image(out) or Image.open(out).manifest.option("layout") != "coactivation" \
-            or Image.open(out).manifest.option("layers") != layers:
+    if not _reusable(out, {"layout": "coactivation", "layers": layers}):
         progress(f"writing synthetic:{name} into {out}")
         write_synthetic(name, out, bits=4, shared=folder / ".neurons", progress=progress, layers=layers)
     return out
@@ -89,7 +88,7 @@ def variant_images(image: Path, needed: set[str], folder: Path, progress=print) 
             images[name] = image
             continue
         out = folder / name
-        if is_image(out) and _same_variant(Image.open(out).manifest, meta.source, {k: options[k] for k in recorded}):
+        if _same_variant(out, meta.source, {k: options[k] for k in recorded}):
             images[name] = out
             continue
         if meta.is_synthetic:
@@ -104,5 +103,16 @@ def variant_images(image: Path, needed: set[str], folder: Path, progress=print) 
     return images
 
 
-def _same_variant(manifest, source: str, options: dict) -> bool:
-    return manifest.source == source and manifest.options == options
+def _same_variant(image: Path, source: str, options: dict) -> bool:
+    """Whether a variant compiled earlier is of this source with these options."""
+    return _reusable(image, options) and Image.open(image).manifest.source == source
+
+
+def _reusable(image: Path, options: dict) -> bool:
+    """Whether an image written earlier has these options (an image this lsparse cannot read, or a
+    damaged one, is written again)."""
+    try:
+        manifest = Image.open(image).manifest if is_image(image) else None
+    except LsparseError:
+        return False
+    return manifest is not None and all(manifest.option(k) == v for k, v in options.items())
