@@ -35,19 +35,16 @@ def write_checkpoint(folder: Path) -> None:
 
 def time_lsparse(folder: str, backend: str, tokens: int, repeats: int) -> dict:
     from lsparse.model import load_model
-    from lsparse.runtime.generate import GenerationStats, generate
+    from lsparse.runtime.generate import stream_generate
     from lsparse.source import resolve
     model = load_model(resolve(folder), backend)
     runs = []
     for _ in range(repeats + 1):  # the first run warms up
-        stats = GenerationStats()
-        for _ in generate(model, PROMPT, tokens, lambda logits: int(logits.argmax()), set(), stats):
-            pass
-        runs.append(stats)
+        runs.append(list(stream_generate(model, None, PROMPT, tokens, lambda lp: int(lp.argmax()), set()))[-1])
     runs = runs[1:]
     return {"prompt_tps": statistics.median(r.prompt_tps for r in runs),
             "generation_tps": statistics.median(r.generation_tps for r in runs),
-            "peak_memory_bytes": max(r.peak_memory_bytes for r in runs)}
+            "peak_memory_bytes": max(r.peak_memory for r in runs)}
 
 
 def time_transformers(folder: str, tokens: int, repeats: int) -> dict:

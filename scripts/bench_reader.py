@@ -33,14 +33,14 @@ def make_file(path: Path, size: int) -> None:
 
 def lsparse_reader(path: Path, block: int, in_flight: int, seconds: float) -> float:
     from lsparse.runtime.reader import FlashReader
-    reader = FlashReader(path, workers=in_flight, direct=True)
+    reader = FlashReader(path, workers=in_flight, direct=True, buffer_bytes=64 * in_flight * block)
     assert reader.direct, "O_DIRECT was refused on this file system"
     rng = np.random.default_rng(1)
     blocks = reader.size // block
     done, start = 0, time.perf_counter()
     while time.perf_counter() - start < seconds:
         offsets = rng.integers(0, blocks, 64 * in_flight) * block  # one batch per worker per call
-        _, transferred, _ = reader.read([(int(o), block) for o in offsets])
+        transferred, _ = reader.read_all(offsets, np.full(len(offsets), block))
         done += transferred
     elapsed = time.perf_counter() - start
     reader.close()

@@ -21,7 +21,7 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     from lsparse.model import load_model
-    from lsparse.runtime.generate import GenerationStats, generate
+    from lsparse.runtime.generate import generate
     from lsparse.runtime.sampling import make_sampler
     from lsparse.source import resolve
 
@@ -30,7 +30,7 @@ def main() -> None:
     sample = make_sampler(1.0, 1.0, args.seed)
     stories = []
     for _ in range(args.stories):
-        ids = list(generate(model, [tok.bos_id], 400, sample, {tok.bos_id, *tok.eos_ids}, GenerationStats()))
+        ids = generate(model, tok, [tok.bos_id], 400, sample, {tok.bos_id, *tok.eos_ids})
         stories.append(tok.decode(ids).strip())
     args.out.write_text("\n<|endoftext|>\n".join(stories) + "\n", encoding="utf-8")
     print(f"wrote {args.out}: {len(stories)} stories, {sum(map(len, stories))} characters")

@@ -1,5 +1,5 @@
 """The sparse FFN's operations behind one interface, for each way lsparse can compute them; the runtime
-(lsparse/runtime/image_model.py) computes through nothing else.
+(lsparse/runtime/ffn*.py) computes through nothing else.
 
 A store holds one component's rows (gate, up, or down columns) for a set of neurons. `empty` makes one whose
 rows are written by slot (a layer's neuron cache: `put`), answering products over slot lists; `hold` makes

@@ -52,17 +52,18 @@ def _logprobs(logits) -> np.ndarray:
 def stream_generate(model, tokenizer, prompt: list[int], max_tokens: int, sample: Callable,
                     stop_ids: set[int] | None = None) -> Iterator[GenerationResponse]:
     """Yield one response per generated token. Ends at an end token (yielded, with empty text, its
-    finish_reason "stop"), after max_tokens, or when the context is full."""
+    finish_reason "stop"), after max_tokens, or when the context is full. `tokenizer` None (a checkpoint
+    without one, timed only): no text, and `stop_ids` must be given."""
     context = model.context_length
     if not prompt:
         raise LsparseError("the prompt is empty")
     if len(prompt) >= context:
         raise LsparseError(f"the prompt is {len(prompt)} tokens; the model's context is {context} tokens")
     stop_ids = tokenizer.eos_ids if stop_ids is None else stop_ids
+    detokenizer = StreamingDetokenizer(tokenizer) if tokenizer is not None else None
     limit = min(max_tokens, context - len(prompt))
     cache = model.make_cache(len(prompt) + limit)
     costs = getattr(model, "costs", None)
-    detokenizer = StreamingDetokenizer(tokenizer)
     start = time.perf_counter()
     logits = model(prompt, cache)[-1]
     evaluate(model.xp, logits)
@@ -73,8 +74,8 @@ def stream_generate(model, tokenizer, prompt: list[int], max_tokens: int, sample
         token = sample(logprobs)
         stop = token in stop_ids
         reason = "stop" if stop else "length" if n == max_tokens else "context" if n == limit else None
-        text = "" if stop else detokenizer.add(token)
-        if reason is not None and not stop:
+        text = "" if stop or detokenizer is None else detokenizer.add(token)
+        if reason is not None and not stop and detokenizer is not None:
             text += detokenizer.flush()
         yield GenerationResponse(text, token, logprobs, costs.now if costs else None, len(prompt), prompt_tps, n,
                                  n / (time.perf_counter() - start), peak_rss_bytes(), reason)
