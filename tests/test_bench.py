@@ -64,3 +64,13 @@ def test_bytes_fall_down_the_ladder(ladder):
 def test_budget_sweep_stays_within_its_plan(ladder):
     for row in ladder["sweep"]:
         assert "refused" in row or row["planned_ram_bytes"] <= row["budget_bytes"]
+
+
+def test_sweep_runs_at_the_plans_smallest_budget_and_refuses_below_it(ladder):
+    floor = [row for row in ladder["sweep"] if "smallest budget" in row["rung"]]
+    assert len(floor) == 1 and "refused" not in floor[0], floor
+    assert floor[0]["tokens_per_second"] > 0
+    below = [row for row in ladder["sweep"] if row["budget_bytes"] < floor[0]["budget_bytes"]]
+    assert below, "the test's 90% of a tiny model is below the process's own RAM"
+    for row in below:
+        assert "the smallest that works is" in row["refused"]

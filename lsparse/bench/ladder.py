@@ -20,6 +20,7 @@ from lsparse.bench.worker import can_cap, in_subprocess
 from lsparse.errors import LsparseError
 from lsparse.image.image import Image
 from lsparse.model import architecture
+from lsparse.runtime.load import plan_image
 from lsparse.runtime.options import DEFAULT_READERS
 
 
@@ -32,7 +33,7 @@ class BenchOptions:
     quality_tokens: int = 4096
     variants_dir: Path | None = None
     rungs: list | None = None                    # names; None: all
-    budgets: tuple = (0.25, 0.5, 0.75)           # shares of the dense model for the latency-memory sweep
+    budgets: tuple = (0.25, 0.5, 0.75)           # shares of the model as stored for the latency-memory sweep
     workers: int = DEFAULT_READERS
     synthetic: bool = False                      # set by bench() for synthetic images
 
@@ -86,12 +87,21 @@ def _run_rungs(rungs: list[Rung], images: dict, prompts, windows, options: Bench
 def _sweep(full: Rung, image: Path, prompts, options: BenchOptions, context: int, perplexity: dict,
            progress) -> list[dict]:
     """The full system at each budget, a share of the model as stored (as `run --ram-budget 50%` means it),
-    under a hard cap equal to the budget where this machine can set one."""
-    stored = Image.open(image).model_bytes()
+    and at the smallest budget its plan accepts, under a hard cap equal to the budget where this machine can
+    set one. A budget the plan refuses is recorded with the planner's reason, not run."""
+    opened = Image.open(image)
+    stored = opened.model_bytes()
+    _, floor = plan_image(opened, full.decode_options(options.workers, context))
+    budgets = [(f"{share:.0%}", int(share * stored)) for share in options.budgets]
+    budgets.append((f"its smallest budget ({floor.smallest_budget / stored:.0%})", floor.smallest_budget))
     sweep = []
-    for share in options.budgets:
-        budget = int(share * stored)
-        rung = Rung(f"+4-bit at {share:.0%}", full.variant, full.mode, budget=budget)
+    for label, budget in sorted(budgets, key=lambda b: b[1]):
+        rung = Rung(f"+4-bit at {label}", full.variant, full.mode, budget=budget)
+        try:
+            plan_image(opened, rung.decode_options(options.workers, context))
+        except LsparseError as e:
+            sweep.append({"rung": rung.name, "budget_bytes": budget, "refused": str(e)})
+            continue
         progress(f"rung {rung.name} of the model as stored")
         spec = {"rung": asdict(rung), "image": str(image), "prompts": prompts[:1], "gen_tokens": options.gen_tokens,
                 "workers": options.workers, "context": context, "quality": {}}

@@ -67,11 +67,10 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
     image = image if isinstance(image, Image) else Image.open(image)
     image.check_for_run()
     m = image.manifest
-    backend = backends.select(options.kernels, m.bundle.d_model, m.bundle.bits, m.bundle.group_size)
+    backend, memory = plan_image(image, options)
     if getattr(backend, "quantized", False):  # the C kernels' threads share the cores: OpenBLAS gets one
         from lsparse.kernels.native import limit_blas_threads
         limit_blas_threads(1)
-    memory = plan(m, backend, options)
     trace = _trace(image, options)
     fetcher, gap = _fetcher(image, options, memory)
     arch, args = architecture(m.config)
@@ -91,6 +90,14 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
     globals_ = held(image.resident("globals"))
     model = Model(arch, args, globals_, layers, np)
     return ImageModel(image, model, ffns, costs, memory, fetcher, backend, gap, trace), image.tokenizer()
+
+
+def plan_image(image: Image, options: DecodeOptions) -> tuple[object, MemoryPlan]:
+    """The kernel backend `options` choose for this image, and the memory plan for rows held as it holds them
+    (a refusal, naming the smallest budget, where `options.ram_budget` cannot hold the image)."""
+    b = image.manifest.bundle
+    backend = backends.select(options.kernels, b.d_model, b.bits, b.group_size)
+    return backend, plan(image.manifest, backend, options)
 
 
 def _trace(image: Image, options: DecodeOptions):
