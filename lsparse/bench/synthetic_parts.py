@@ -78,5 +78,8 @@ def tokenizer(vocab: int, traced):
     def save(folder):
         tok.save(str(folder / "tokenizer.json"))
 
-    return LsparseTokenizer(lambda text: tok.encode(text).ids, lambda ids: tok.decode(ids), vocab, 1, {2}, True,
+    def encode(text, parse_special=True):  # the words spell no special token
+        return tok.encode(text).ids
+
+    return LsparseTokenizer(encode, lambda ids: tok.decode(ids), vocab, 1, {2}, True,
                             special={"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}, save_fn=save)

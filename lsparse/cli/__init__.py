@@ -54,7 +54,7 @@ def main():
     debug, kinds = "--debug" in sys.argv[1:], None
     try:
         kinds = _error_kinds()
-        from lsparse.cli import bench, image, run  # noqa: F401  (each registers its commands)
+        from lsparse.cli import bench, chat, image, run  # noqa: F401  (each registers its commands)
         from lsparse.cli.app import app
         # typer answers Ctrl-C inside a command by returning 130 rather than raising, when not standalone
         if app(standalone_mode=False) == INTERRUPTED:

@@ -54,16 +54,18 @@ class Image:
         """A file the manifest lists (its name was checked to be a plain name inside the image)."""
         return self.path / name
 
-    def resident(self, name: str) -> dict[str, np.ndarray]:
+    def resident(self, name: str, mapped=()) -> dict[str, np.ndarray]:
         """A resident file's tensors ("globals" or "layer-NNN"): bundle bytes as uint8 and checksums as uint64
-        as stored, the rest as float32."""
+        as stored, the rest as float32; those named in `mapped` that are stored as bytes mapped from the file
+        (SafetensorsFile.mapped), not read."""
         from lsparse.source.safetensors_store import SafetensorsFile
         f = SafetensorsFile(self.file(f"resident/{name}.safetensors"))
-        return {t: f.get(t, as_float=f.entries[t][0] not in ("U8", "U64")) for t in f.entries}
+        return {t: f.mapped(t) if t in mapped and f.entries[t][0] == "U8" else
+                f.get(t, as_float=f.entries[t][0] not in ("U8", "U64")) for t in f.entries}
 
-    def layer_tensors(self, index: int) -> dict[str, np.ndarray]:
+    def layer_tensors(self, index: int, mapped=()) -> dict[str, np.ndarray]:
         """A layer's resident tensors, those every image has checked against the manifest's shapes."""
-        tensors = self.resident(f"layer-{index:03d}")
+        tensors = self.resident(f"layer-{index:03d}", mapped)
         layer, b = self.manifest.layers[index], self.manifest.bundle
         shapes = {"hot_bundles": ((len(layer.hot), b.stride), np.uint8),
                   "cold_row_sums": ((layer.region.count, len(b.components)), np.uint64)}

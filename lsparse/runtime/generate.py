@@ -50,19 +50,21 @@ def _logprobs(logits) -> np.ndarray:
 
 
 def stream_generate(model, tokenizer, prompt: list[int], max_tokens: int, sample: Callable,
-                    stop_ids: set[int] | None = None) -> Iterator[GenerationResponse]:
+                    stop_ids: set[int] | None = None, cache: list | None = None) -> Iterator[GenerationResponse]:
     """Yield one response per generated token. Ends at an end token (yielded, with empty text, its
     finish_reason "stop"), after max_tokens, or when the context is full. `tokenizer` None (a checkpoint
-    without one, timed only): no text, and `stop_ids` must be given."""
-    context = model.context_length
+    without one, timed only): no text, and `stop_ids` must be given. `cache`: a KV cache (model.make_cache)
+    whose tokens the prompt continues (a conversation); every generated token but the last is added to it."""
+    held = cache[0].offset if cache else 0
+    context = cache[0].keys.shape[1] if cache else model.context_length
     if not prompt:
         raise LsparseError("the prompt is empty")
-    if len(prompt) >= context:
-        raise LsparseError(f"the prompt is {len(prompt)} tokens; the model's context is {context} tokens")
+    if held + len(prompt) >= context:
+        raise LsparseError(f"the prompt is {held + len(prompt)} tokens; the context is {context} tokens")
     stop_ids = tokenizer.eos_ids if stop_ids is None else stop_ids
     detokenizer = StreamingDetokenizer(tokenizer) if tokenizer is not None else None
-    limit = min(max_tokens, context - len(prompt))
-    cache = model.make_cache(len(prompt) + limit)
+    limit = min(max_tokens, context - held - len(prompt))
+    cache = cache or model.make_cache(len(prompt) + limit)
     costs = getattr(model, "costs", None)
     start = time.perf_counter()
     logits = model(prompt, cache)[-1]

@@ -19,6 +19,7 @@ from lsparse.runtime.ffn_streamed import DenseFFN, StreamedFFN
 from lsparse.runtime.options import DecodeOptions
 from lsparse.runtime.plan import MemoryPlan, plan
 from lsparse.runtime.reader import DEFAULT_GAP_BYTES
+from lsparse.runtime.resident import read_ahead_in_turn
 from lsparse.runtime.resident import weights as resident_weights
 
 
@@ -50,9 +51,11 @@ class ImageModel:
     def dense_ffn_bytes(self) -> int:
         return self.image.manifest.dense_ffn_bytes()
 
-    def flash_report(self) -> dict:
-        """Per decoded token: what the FFNs read and where the time went (costs.flash_report), and how."""
-        return {**flash_report(self.costs.steps, self.dense_ffn_bytes()), "direct_io": self.fetcher.reader.direct,
+    def flash_report(self, since: int = 0) -> dict:
+        """Per decoded token of the calls from the `since`-th on (the first: a prompt): what the FFNs read and
+        where the time went (costs.flash_report), and how."""
+        return {**flash_report(self.costs.steps[since:], self.dense_ffn_bytes()),
+                "direct_io": self.fetcher.reader.direct,
                 "gap_bytes": self.gap["bytes"], "gap_rule": self.gap["rule"]}
 
     def close(self) -> None:
@@ -80,15 +83,18 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
     def held(tensors: dict, leave_out=()) -> dict:  # resident tensors as the model code multiplies them
         return resident_weights(tensors, arch.MATRICES, m.resident_bits, m.resident_group_size, backend.name,
                                 leave_out)
-    for layer in m.layers:
-        resident = image.layer_tensors(layer.index)
+    for layer in m.layers:  # matrices the plan leaves in the image file are mapped from it
+        mapped = arch.MATRICES if memory.mapped and layer.index >= memory.held_attention_layers else ()
+        resident = image.layer_tensors(layer.index, mapped)
         layers.append(held(resident, leave_out=predictors.PREDICTOR_TENSORS))
         ffns.append(_layer_ffn(image, layer, resident, options, arch, args, backend, memory, fetcher, trace, costs))
     if options.lookahead:
         for this, nxt in zip(ffns, ffns[1:], strict=False):
             this.next = nxt
-    globals_ = held(image.resident("globals"))
+    globals_ = held(image.resident("globals", ("embed",) * bool(memory.mapped) + ("lm_head",) * memory.head_mapped))
     model = Model(arch, args, globals_, layers, np)
+    read_ahead_in_turn([[w[k] for k in arch.MATRICES if k in w] for w in layers] +
+                       [[globals_.get("lm_head", globals_["embed"])]])
     return ImageModel(image, model, ffns, costs, memory, fetcher, backend, gap, trace), image.tokenizer()
 
 

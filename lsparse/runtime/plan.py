@@ -34,6 +34,9 @@ class MemoryPlan:
     predictors: int
     working_set: int              # one layer's reads in flight: the reader's buffer and the rows it yields
     neuron_cache: int
+    mapped: int                   # bytes of matrices left in the image file, paged by the OS (0: all held)
+    held_attention_layers: int    # the first this many layers hold their attention in RAM; the rest map it
+    head_mapped: bool             # the output head (and the embeddings, whenever anything is) mapped
     total: int
     smallest_budget: int
     read_buffer_bytes: int        # one reader's buffer (the lookahead's reader has another)
@@ -78,6 +81,41 @@ def _resident_bytes(manifest: Manifest, mode: str, context: int, row_bytes) -> d
     }
 
 
+@dataclass(frozen=True)
+class Mappable:
+    """The matrices the kernels multiply where they lie, as stored (4/8-bit rows on the C kernels), which can
+    stay in the image file (SafetensorsFile.mapped) when the budget cannot hold them: each layer's attention
+    and the output head are read whole every token, so a share of them held in RAM saves its reads every
+    token; the embeddings are touched a row a token."""
+    layers: int
+    layer_attention: int  # bytes of one layer's q, k, v and o
+    head: int             # the output head's bytes (the embeddings' where they are tied)
+    embeddings: int       # the embeddings' bytes where the head is a matrix of its own, else 0
+
+    @classmethod
+    def of(cls, manifest: Manifest, fixed: dict, kernels) -> "Mappable":
+        if manifest.resident_bits == 16 or not getattr(kernels, "quantized", False):
+            return cls(0, 0, 0, 0)
+        n = len(manifest.layers)
+        tied = manifest.config.get("tie_word_embeddings")
+        matrices = fixed["embedding_head"] - 2 * _hidden_size(manifest) * F32
+        return cls(n, fixed["attention"] // n, matrices if tied else matrices // 2, 0 if tied else matrices // 2)
+
+    @property
+    def total(self) -> int:
+        return self.layers * self.layer_attention + self.head + self.embeddings
+
+    @property
+    def streaming(self) -> int:
+        """What a token touches of mapped matrices at once: a layer's attention in use, the next one's read ahead,
+        and the head."""
+        return 2 * self.layer_attention + self.head
+
+
+def _hidden_size(manifest: Manifest) -> int:
+    return architecture(manifest.config)[1].hidden_size
+
+
 def plan(manifest: Manifest, kernels, options: DecodeOptions) -> MemoryPlan:
     """Bytes per component, each layer's cache capacity and the read buffers, for rows held as the kernel
     backend `kernels` holds them (None: decoded to fp32). A cache holds at most `window` tokens' worth of
@@ -88,17 +126,18 @@ def plan(manifest: Manifest, kernels, options: DecodeOptions) -> MemoryPlan:
         return kernels.store_row_bytes(int(count), held) if kernels else b.d_model * F32
 
     fixed = _resident_bytes(manifest, mode, options.context, row_bytes)
+    mappable = Mappable.of(manifest, fixed, kernels)
     d_ffs = np.array([layer.d_ff for layer in manifest.layers])
     cold = np.array([layer.region.count for layer in manifest.layers])
     rows = b.exact_prefix if mode == "exact" else len(b.components)
     zeros = np.zeros_like(cold)
     if mode == "dense":  # every neuron held, as hot ones are
         fixed["hot_neurons"] = sum(int(n) * row_bytes(n) for n in d_ffs) * len(b.components)
-        return _fit(fixed, 0, 0, zeros, zeros, None, options.ram_budget, mode)
+        return _fit(fixed, 0, 0, zeros, zeros, None, options.ram_budget, mode, mappable)
     if mode == "hybrid":  # one layer's cold bundles at a time, read whole, held and dropped
         buffer = -(-int(cold.max()) * b.stride // ALIGN) * ALIGN + ALIGN
         working = buffer + int(cold.max()) * len(b.components) * row_bytes(cold.max())
-        return _fit(fixed, working, buffer, zeros, zeros, None, options.ram_budget, mode)
+        return _fit(fixed, working, buffer, zeros, zeros, None, options.ram_budget, mode, mappable)
     # A token's own neurons should fit: a quarter more than the most calibration saw one token load. A token
     # that loads more still runs, through rows of its own and reads in several batches, at the cost of rereads.
     minimum = np.minimum(cold, np.ceil(1.25 * _most_loaded(manifest, mode) * d_ffs).astype(int))
@@ -110,23 +149,35 @@ def plan(manifest: Manifest, kernels, options: DecodeOptions) -> MemoryPlan:
     readers = 2 if options.lookahead else 1
     # per reader: its buffer, the rows it yields as the backend keeps them, and the copies the products gather
     working = readers * (buffer + max(2 * int(n) * slot_bytes(n) for n in minimum))
-    return _fit(fixed, working, buffer, minimum, capacity, slot_bytes, options.ram_budget, mode)
+    return _fit(fixed, working, buffer, minimum, capacity, slot_bytes, options.ram_budget, mode, mappable)
 
 
 def _fit(fixed: dict, working: int, buffer: int, minimum, capacity, slot_bytes, budget: int | None,
-         mode: str) -> MemoryPlan:
+         mode: str, mappable: Mappable) -> MemoryPlan:
     """The plan with each layer's cache as large as the budget allows, or a refusal naming the smallest. A
-    larger store never keeps a row in more bytes, so a slot at a layer's minimum bounds it at any capacity."""
+    larger store never keeps a row in more bytes, so a slot at a layer's minimum bounds it at any capacity.
+    Where the budget cannot hold every matrix it could map, the caches keep their minimum and the budget left
+    holds as many layers' attention as it can (then the head); the rest stays in the image file, read every
+    token through the page cache, the next layer's read ahead."""
     slot = np.array([slot_bytes(n) for n in minimum]) if slot_bytes else np.zeros(len(minimum), dtype=int)
     base = sum(fixed.values()) + working
     need = base + int((minimum * slot).sum())
+    smallest = min(need, need - mappable.total + mappable.streaming) if mappable.total else need
+    mapped, held_layers, head_mapped = 0, len(minimum), False
     if budget is not None:
-        if budget < need:
+        if budget < smallest:
             raise LsparseError(f"a RAM budget of {budget / 2**20:.0f} MiB cannot hold this image in {mode} mode: "
-                               f"the smallest that works is {-(-need // 2**20)} MiB")
-        if base + int((capacity * slot).sum()) > budget:  # the caches shared in proportion to their minimum
+                               f"the smallest that works is {-(-smallest // 2**20)} MiB")
+        if budget < need:
+            room = budget - smallest
+            held_layers = min(mappable.layers, room // max(mappable.layer_attention, 1))
+            head_mapped = room - held_layers * mappable.layer_attention < mappable.head
+            mapped = mappable.total - held_layers * mappable.layer_attention - (0 if head_mapped else mappable.head)
+            base, capacity = base - mapped + mappable.streaming, minimum
+        elif base + int((capacity * slot).sum()) > budget:  # the caches shared in proportion to their minimum
             scale = (budget - base) / max(int((minimum * slot).sum()), 1)
             capacity = np.minimum(capacity, np.maximum(minimum, np.floor(scale * minimum).astype(int)))
     cache = sum(int(c) * slot_bytes(c) for c in capacity) if slot_bytes else 0
-    return MemoryPlan(**fixed, working_set=working, neuron_cache=cache, total=base + cache, smallest_budget=need,
-                      read_buffer_bytes=buffer, cache_slots=tuple(int(c) for c in capacity))
+    return MemoryPlan(**fixed, working_set=working, neuron_cache=cache, mapped=mapped,
+                      held_attention_layers=held_layers, head_mapped=head_mapped, total=base + cache,
+                      smallest_budget=smallest, read_buffer_bytes=buffer, cache_slots=tuple(int(c) for c in capacity))

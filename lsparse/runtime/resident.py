@@ -4,10 +4,13 @@ lie, so that attention and embeddings cost RAM and bandwidth as stored, not as f
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 
 from lsparse.image.quantize import dequantize_rows
 from lsparse.kernels import backends
+from lsparse.source.safetensors_store import mapping_of
 
 NOT_MATRICES = ("hot_bundles", "exact_rows", "cold_row_sums")
 
@@ -21,6 +24,10 @@ class StoredMatrix:
         self.kernel = kernel
         self.store = kernel.hold(kernel.prepare(rows, 1)[:, 0])  # (out, row bytes) or decoded (out, in)
         self.shape = (len(rows), width)
+        # Rows left in the image file (the plan's `mapped`): each product's pages are dropped after it, so that
+        # the process holds one such matrix at a time and the OS's page cache the rest, as the budget allows.
+        self.mapping = mapping_of(self.store)
+        self.read_ahead = []  # mappings to start reading when this matrix is multiplied (read_ahead_in_turn)
 
     @property
     def T(self) -> "_Transposed":
@@ -40,7 +47,23 @@ class _Transposed:
 
     def __rmatmul__(self, x) -> np.ndarray:
         """x (t, in) @ w.T -> (t, out), through the kernel backend."""
-        return self.matrix.kernel.mv(self.matrix.store, None, np.asarray(x, dtype=np.float32))
+        m = self.matrix
+        for mapping in m.read_ahead:  # the OS reads them while this product and the ones after it run
+            mapping.madvise(mmap.MADV_WILLNEED)
+        y = m.kernel.mv(m.store, None, np.asarray(x, dtype=np.float32))
+        if m.mapping is not None:
+            m.mapping.madvise(mmap.MADV_DONTNEED)
+        return y
+
+
+def read_ahead_in_turn(groups: list[list]) -> None:
+    """Groups of matrices in the order a token multiplies them (each layer's attention, then the head): the
+    first matrix of each group that is mapped from the image file starts the reads of the next such group's,
+    the last group's the first's (the next token's)."""
+    mapped = [[m for m in group if isinstance(m, StoredMatrix) and m.mapping is not None] for group in groups]
+    mapped = [group for group in mapped if group]
+    for group, following in zip(mapped, mapped[1:] + mapped[:1], strict=True):
+        group[0].read_ahead = [m.mapping for m in following]
 
 
 def row_width(row_bytes: int, bits: int, group: int) -> int:

@@ -12,15 +12,8 @@ from lsparse.runtime.generate import stream_generate
 from lsparse.runtime.options import DecodeOptions
 
 
-def encode_prompt(tokenizer, prompt: str, chat: bool) -> list[int]:
-    if chat and tokenizer.chat_template is not None:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-        # The template writes the BOS token itself where the model wants one.
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(prompt)
-
-
-def _load_checkpoint(spec: str, revision, tokenizer_file, backend):
+def load_checkpoint(spec: str, revision=None, tokenizer_file=None, backend=None):
+    """(model, tokenizer, where it was found, backend): a checkpoint with every weight in RAM."""
     from lsparse.model import load_model
     from lsparse.model.backend import default_backend
     from lsparse.source import resolve
@@ -31,23 +24,37 @@ def _load_checkpoint(spec: str, revision, tokenizer_file, backend):
     return load_model(checkpoint, backend), checkpoint.tokenizer, checkpoint.location, backend
 
 
+def load(spec: str, options: DecodeOptions | None, context: int | None = None, revision: str | None = None,
+         tokenizer: str | None = None, backend: str | None = None) -> tuple[object, object, str, str]:
+    """(model, tokenizer, where it was found, what computes it): an image decoded as `options` say, its KV
+    cache planned for `context` tokens (None: the options' own, capped at the model's), or (options None) a
+    checkpoint with every weight in RAM."""
+    if options is None:
+        return load_checkpoint(spec, revision, tokenizer, backend)
+    from lsparse.runtime.load import load_image
+    image = spec if isinstance(spec, Image) else Image.open(spec)
+    longest = architecture(image.manifest.config)[1].max_position_embeddings
+    model, tok = load_image(image, options.but(context=min(context or options.context, longest)))
+    return model, tok, str(image.path), model.kernels.name
+
+
 def run(spec: str, prompt: str, max_tokens: int, options: DecodeOptions | None, sample, *, chat: bool = True,
-        revision: str | None = None, tokenizer: str | None = None, backend: str | None = None,
-        as_json: bool = False, out=None) -> dict:
+        allow_special: bool = False, revision: str | None = None, tokenizer: str | None = None,
+        backend: str | None = None, as_json: bool = False, out=None) -> dict:
     """`options` None: dense decoding of a checkpoint (every weight in RAM); else decoding from an image.
-    Text streams to `out` (None: standard output as it is when called)."""
+    Text streams to `out` (None: standard output as it is when called), between mlx-lm's separators."""
     out = out or sys.stdout
     if options is None:
-        model, tok, where, backend = _load_checkpoint(spec, revision, tokenizer, backend)
-        ids = encode_prompt(tok, prompt, chat)
+        model, tok, where, backend = load_checkpoint(spec, revision, tokenizer, backend)
+        ids = tok.encode_prompt(prompt, chat, allow_special)
     else:
-        from lsparse.runtime.load import load_image
         image = Image.open(spec)
-        ids = encode_prompt(image.tokenizer(), prompt, chat)
-        context = min(len(ids) + max_tokens, architecture(image.manifest.config)[1].max_position_embeddings)
-        model, tok = load_image(image, options.but(context=context))
-        backend, where = model.kernels.name, spec
+        ids = image.tokenizer().encode_prompt(prompt, chat, allow_special)
+        model, tok, where, backend = load(image, options, len(ids) + max_tokens)
+        where = spec
     text, tokens, last = [], [], None
+    if not as_json:
+        out.write("=" * 10 + "\n")
     try:
         for response in stream_generate(model, tok, ids, max_tokens, sample):
             text.append(response.text)

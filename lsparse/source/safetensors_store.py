@@ -48,6 +48,21 @@ class SafetensorsFile:
                                    f"{self.data_start + end}, the file has {size})")
             self.entries[name] = (info["dtype"], dtype, shape, begin)
 
+    def mapped(self, name: str) -> np.ndarray:
+        """The tensor in its stored dtype, mapped from the file rather than read: the OS pages it in as it is
+        touched and may drop it again (see `mapping_of`)."""
+        import mmap
+        _, dtype, shape, begin = self.entries[name]
+        start = self.data_start + begin
+        aligned = start - start % mmap.ALLOCATIONGRANULARITY
+        length = start - aligned + int(np.prod(shape)) * dtype.itemsize
+        try:
+            with open(self.path, "rb") as f:
+                mapping = mmap.mmap(f.fileno(), length, offset=aligned, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:
+            raise LsparseError(f"{self.path}: cannot map tensor {name!r} ({e})") from None
+        return np.frombuffer(mapping, dtype=dtype, count=int(np.prod(shape)), offset=start - aligned).reshape(shape)
+
     def get(self, name: str, as_float: bool = True) -> np.ndarray:
         """The tensor as float32, or with `as_float=False` in its stored dtype (bfloat16 as its raw uint16)."""
         kind, dtype, shape, begin = self.entries[name]
@@ -102,3 +117,15 @@ class SafetensorsStore:
 
     def get(self, name: str) -> np.ndarray:
         return self._file(name).get(name)
+
+
+def mapping_of(array: np.ndarray):
+    """The file mapping a tensor from SafetensorsFile.mapped lies in, or None for one read into memory. Its
+    `madvise(mmap.MADV_DONTNEED)` drops the tensor's pages from this process: its resident memory falls back,
+    while the OS's page cache may keep them for the next touch."""
+    import mmap
+    base = array
+    while isinstance(base, np.ndarray):
+        base = base.base
+    base = base.obj if isinstance(base, memoryview) else base
+    return base if isinstance(base, mmap.mmap) and hasattr(mmap, "MADV_DONTNEED") else None

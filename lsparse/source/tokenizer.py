@@ -18,8 +18,8 @@ class Tokenizer:
 
     def __init__(self, encode_fn, decode_fn, vocab_size: int, bos_id: int | None, eos_ids: set[int],
                  add_bos: bool, chat_template: str | None = None, special: dict[str, str] | None = None,
-                 save_fn=None):
-        self._encode = encode_fn
+                 save_fn=None, special_texts: frozenset[str] = frozenset()):
+        self._encode = encode_fn  # (text) or (text, parse_special)
         self._decode = decode_fn
         self._save = save_fn
         self.vocab_size = vocab_size
@@ -28,9 +28,12 @@ class Tokenizer:
         self.add_bos = add_bos
         self.chat_template = chat_template
         self.special = special or {}
+        self.special_texts = special_texts  # the text of every control token the encoder would parse
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = list(self._encode(text))
+    def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`, BOS first where the model wants one (`add_special_tokens`). Text that spells a
+        special token (`<|im_start|>`) becomes that control token only with `parse_special`."""
+        ids = list(self._encode(text) if parse_special else self._encode(text, False))
         if add_special_tokens and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
         return ids
@@ -45,6 +48,33 @@ class Tokenizer:
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
         (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+    def encode_prompt(self, prompt: str, chat: bool = True, allow_special: bool = False) -> list[int]:
+        """A user's prompt as the model should see it: through the chat template as one user turn where the
+        tokenizer has one and `chat`, else as plain text. Special-token text the user wrote stays text unless
+        `allow_special` (llama.cpp's default)."""
+        if chat and self.chat_template is not None:
+            return self.encode_messages([{"role": "user", "content": prompt}], allow_special)
+        return self.encode(prompt, parse_special=allow_special)
+
+    def encode_messages(self, messages: list[dict], allow_special: bool = False) -> list[int]:
+        """A conversation through the chat template, ending where the assistant's next turn begins. The
+        template's own control tokens are parsed; the messages' text is parsed only with `allow_special`."""
+        contents = [m["content"] for m in messages]
+        if allow_special or not any(t in c for c in contents for t in self.special_texts):
+            # The template writes the BOS token itself where the model wants one.
+            return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        marks = [f"\x00{i}\x00" for i in range(len(messages))]  # where each message's text goes
+        rendered = self.apply_chat_template([{**m, "content": mark} for m, mark in zip(messages, marks, strict=True)])
+        if any(rendered.count(mark) != 1 for mark in marks):
+            raise LsparseError("the chat template changes the messages' text, so special-token text in them "
+                               "cannot be kept as text; pass --allow-special to let it become control tokens")
+        ids = []
+        for mark, content in zip(marks, contents, strict=True):
+            template_text, rendered = rendered.split(mark)
+            ids += self.encode(template_text, add_special_tokens=False) + \
+                self.encode(content, add_special_tokens=False, parse_special=False)
+        return ids + self.encode(rendered, add_special_tokens=False)
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         if self.chat_template is None:
@@ -141,12 +171,14 @@ def wrap_hf(hf, config: dict, special: dict, chat_template: str | None, add_bos:
     eos = config.get("eos_token_id", token_id(special.get("eos_token")))
     eos_ids = set(eos) if isinstance(eos, list) else ({eos} if eos is not None else set())
 
-    def encode(text):
+    def encode(text, parse_special=True):
+        hf.encode_special_tokens = not parse_special
         return hf.encode(text, add_special_tokens=post_processor_adds).ids
 
+    specials = frozenset(t.content for t in hf.get_added_tokens_decoder().values() if t.special)
     return Tokenizer(encode, lambda ids: hf.decode(ids, skip_special_tokens=True), hf.get_vocab_size(),
                      bos_id, eos_ids, add_bos, chat_template, special,
-                     save_fn=lambda folder: hf.save(str(folder / "tokenizer.json")))
+                     save_fn=lambda folder: hf.save(str(folder / "tokenizer.json")), special_texts=specials)
 
 
 def byte_level_bpe(vocab: dict[str, int], merges: list[tuple[str, str]], specials: list[str] = (),
@@ -174,6 +206,6 @@ def sentencepiece(path: Path, chat_template: str | None = None) -> Tokenizer:
     eos = {sp.eos_id()} if sp.eos_id() >= 0 else set()
     special = {"bos_token": sp.id_to_piece(bos) if bos is not None else "",
                "eos_token": sp.id_to_piece(sp.eos_id()) if eos else ""}
-    return Tokenizer(lambda text: sp.encode(text), lambda ids: sp.decode(ids), sp.get_piece_size(),
+    return Tokenizer(lambda text, parse_special=True: sp.encode(text), lambda ids: sp.decode(ids), sp.get_piece_size(),
                      bos, eos, add_bos=True, chat_template=chat_template, special=special,
                      save_fn=lambda folder: shutil.copyfile(path, folder / "tokenizer.model"))
