@@ -5,7 +5,8 @@ before every run, interleaved, for several rounds.
 llama.cpp runs through llama-cpp-python as its users run it under a cap: weights left in the mmap
 (`use_mmap=True`, `use_extra_bufts=False`: its default repacks Q4_0 weights into anonymous memory, which a cap
 kills for that copy, not for paging); uncapped it also runs with its defaults, its best speed. Its bytes read
-come from the kernel's count for its process (/proc/self/io read_bytes); lsparse's from its own reader.
+come from the kernel's count for its process (/proc/self/io read_bytes), and so do lsparse's (its reader's
+direct reads and, under a budget that maps matrices from the image, their page faults).
 A row whose cgroup peak stays well below its cap was not bound by it and says so.
 """
 
@@ -69,6 +70,7 @@ def _row(engine: str, share, cap, out: dict | None, report: dict | None, why: st
     return {"engine": engine, "round": round_, "budget_share": share, "cap_bytes": cap,
             "tokens_per_second": out and out.get("tokens_per_second"),
             "bytes_read_per_token": out and out.get("bytes_read_per_token"),
+            "neuron_bytes_per_token": out and out.get("neuron_bytes_per_token"),
             "io_ms": out and out.get("io_ms"), "mem_ms": out and out.get("mem_ms"),
             "compute_ms": out and out.get("compute_ms"), "peak_bytes": report and report["peak_bytes"],
             "bound_by_cap": bound if cap else None, "failed": why or None}
@@ -81,7 +83,11 @@ def _lsparse(a: Against, cap: int | None) -> tuple[dict | None, dict | None, str
     out, report, why = capped(cap, command)
     if out is not None:
         f = out["flash"]
-        out = {"tokens_per_second": out["generation_tps"], "bytes_read_per_token": f["bytes_read_per_token"],
+        # bytes as the kernel counts them, as for llama.cpp: the neuron reads and mapped matrices' page faults
+        read = out["storage_bytes_per_token"]
+        out = {"tokens_per_second": out["generation_tps"],
+               "bytes_read_per_token": f["bytes_read_per_token"] if read is None else read,
+               "neuron_bytes_per_token": f["bytes_read_per_token"],
                "io_ms": f["io_ms_per_token"], "mem_ms": f["mem_ms_per_token"], "compute_ms": f["compute_ms_per_token"]}
     return out, report, why
 
@@ -175,7 +181,7 @@ def print_summary(result: dict, console=None) -> None:
 def write_csv(result: dict, path) -> None:
     import csv
     columns = ("engine", "round", "budget_share", "cap_bytes", "tokens_per_second", "bytes_read_per_token",
-               "io_ms", "mem_ms", "compute_ms", "peak_bytes", "bound_by_cap", "failed")
+               "neuron_bytes_per_token", "io_ms", "mem_ms", "compute_ms", "peak_bytes", "bound_by_cap", "failed")
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(columns)

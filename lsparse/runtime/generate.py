@@ -43,6 +43,19 @@ def peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
 
 
+def storage_read_bytes() -> int | None:
+    """Bytes this process has had read from storage so far, as the kernel counts them (/proc/self/io): direct
+    reads and the page faults of mapped files alike. None where the count is not kept (macOS)."""
+    try:
+        with open("/proc/self/io") as f:
+            for line in f:
+                if line.startswith("read_bytes:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return None
+
+
 def _logprobs(logits) -> np.ndarray:
     z = to_numpy(logits).astype(np.float64)
     z = z - z.max()

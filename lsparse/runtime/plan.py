@@ -166,7 +166,8 @@ def _fit(fixed: dict, working: int, buffer: int, minimum, capacity, slot_bytes, 
     mapped, held_layers, head_mapped = 0, len(minimum), False
     if budget is not None:
         if budget < smallest:
-            raise LsparseError(f"a RAM budget of {budget / 2**20:.0f} MiB cannot hold this image in {mode} mode: "
+            given = f"{budget / 2**20:.0f} MiB" if budget >= 2**20 else f"{budget} bytes"
+            raise LsparseError(f"a RAM budget of {given} cannot hold this image in {mode} mode: "
                                f"the smallest that works is {-(-smallest // 2**20)} MiB")
         if budget < need:
             room = budget - smallest

@@ -8,7 +8,7 @@ import sys
 from lsparse.errors import LsparseError
 from lsparse.image.image import Image
 from lsparse.model import architecture
-from lsparse.runtime.generate import stream_generate
+from lsparse.runtime.generate import storage_read_bytes, stream_generate
 from lsparse.runtime.options import DecodeOptions
 
 
@@ -55,6 +55,7 @@ def run(spec: str, prompt: str, max_tokens: int, options: DecodeOptions | None, 
     text, tokens, last = [], [], None
     if not as_json:
         out.write("=" * 10 + "\n")
+    read_before = storage_read_bytes()
     try:
         for response in stream_generate(model, tok, ids, max_tokens, sample):
             text.append(response.text)
@@ -70,7 +71,11 @@ def run(spec: str, prompt: str, max_tokens: int, options: DecodeOptions | None, 
               "prompt": prompt, "text": "".join(text), "tokens": tokens, "prompt_tokens": len(ids),
               "prompt_tps": last.prompt_tps, "generated_tokens": last.generation_tokens,
               "generation_tps": last.generation_tps, "peak_memory_bytes": last.peak_memory,
-              "finish_reason": last.finish_reason}
+              "finish_reason": last.finish_reason,
+              # what the kernel read from storage for this process per token, prompt included (the reader's
+              # direct reads and mapped matrices' page faults): None where it is not counted
+              "storage_bytes_per_token": None if read_before is None else
+              (storage_read_bytes() - read_before) / max(last.generation_tokens, 1)}
     if options is not None:
         result["memory_plan"] = model.memory_plan.report()
         result["ram_budget"] = options.ram_budget
