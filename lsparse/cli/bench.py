@@ -28,7 +28,7 @@ def bench(
     tokens: int = typer.Option(16, "--tokens", min=2, help="--against: tokens each run generates."),
     rounds: int = typer.Option(2, "--rounds", min=1, help="--against: rounds of interleaved runs."),
     llama_python: Optional[str] = typer.Option(None, "--llama-python", help="--against: a Python with "
-                                               "llama-cpp-python [this one]."),
+                                               "llama-cpp-python \\[this one]."),
     layers: Optional[int] = typer.Option(None, "--layers", min=1, help="Synthetic images: fewer layers (tests)."),
     variants: Optional[str] = typer.Option(None, "--variants", help="Where variant images go [IMAGE.variants]."),
     readers: int = typer.Option(DEFAULT_READERS, "--readers", min=1,

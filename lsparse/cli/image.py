@@ -69,7 +69,7 @@ def compile_(
     group_size: Optional[int] = typer.Option(None, "--group-size", help="Quantization group: 32, 64, 128 [64]."),
     hot_fraction: Optional[float] = typer.Option(None, "--hot-fraction", min=0.0, max=1.0,
                                                  help="Share of each layer's neurons pinned in RAM [0.1]."),
-    predictor: Optional[str] = typer.Option(None, "--predictor", help="exact, svd or lowrank [lowrank]."),
+    predictor: Optional[str] = typer.Option(None, "--predictor", help="exact, svd or lowrank \\[lowrank]."),
     rank: Optional[int] = typer.Option(None, "--rank", min=1, help="Predictor rank, first layer; 2x at the last [32]."),
     recall: Optional[float] = typer.Option(None, "--recall", min=0.5, max=1.0,
                                            help="Recall the predictor threshold aims at [0.99]."),
@@ -77,9 +77,9 @@ def compile_(
                                                        help="SwiGLU models: share of activations cut [0.5]."),
     threshold_on: Optional[str] = typer.Option(None, "--threshold-on",
                                                help="SwiGLU: cut by |silu(gate)| (CATS; exact mode runs it) or by "
-                                                    "|silu(gate) x up| (less quality lost; no exact mode) [gate]."),
+                                                    "|silu(gate) x up| (less quality lost; no exact mode) \\[gate]."),
     layout: Optional[str] = typer.Option(None, "--layout", help="Cold-neuron order on flash: coactivation or "
-                                                                "natural [coactivation]."),
+                                                                "natural \\[coactivation]."),
     resident_bits: Optional[int] = typer.Option(None, "--resident-bits", help="Attention and embedding matrices: "
                                                 "16 (fp16), 8 or 4 (rows in groups, like the bundles) [16]."),
     force: bool = typer.Option(False, "--force", help="Replace an existing lsparse image (never any other folder)."),
