@@ -50,7 +50,7 @@ def run(spec: str, prompt: str, max_tokens: int, options: DecodeOptions | None, 
     else:
         image = Image.open(spec)
         ids = image.tokenizer().encode_prompt(prompt, chat, allow_special)
-        model, tok, where, backend = load(image, options, len(ids) + max_tokens)
+        model, tok, _, backend = load(image, options, len(ids) + max_tokens)
         where = spec
     text, tokens, last = [], [], None
     if not as_json:
