@@ -349,3 +349,24 @@ def test_kernel_bench_steps_compute_the_same_ffn_in_every_backend():
     active = np.arange(0, 256, 3)
     outs = {name: ffn_step(name, 64, 256, np.random.default_rng(5))(active) for name in ("cpu", "mlx-q4")}
     np.testing.assert_allclose(outs["mlx-q4"], outs["cpu"], rtol=1e-4, atol=1e-4 * np.abs(outs["cpu"]).max())
+
+
+def test_a_prefaulted_store_holds_its_pages_from_the_start():
+    """Under a budget the caches' pages are mapped at allocation (MAP_POPULATE), not while the first tokens
+    write rows into them; without one they stay untouched until used."""
+    from lsparse.kernels.backends import CpuKernels
+
+    def rss() -> int:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+    kernels = CpuKernels(4096, 4, 64, native=False)
+    kernels.quantized = True  # rows kept as stored, as the C kernels keep them
+    count = (64 << 20) // kernels.row_bytes
+    before = rss()
+    lazy = kernels.empty(count)
+    assert rss() - before < 8 << 20
+    before = rss()
+    ready = kernels.empty(count, prefault=True)
+    assert rss() - before > 60 << 20
+    assert ready.shape == lazy.shape == (count, kernels.row_bytes) and not ready.any() and ready.flags.writeable

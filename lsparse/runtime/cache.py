@@ -13,9 +13,10 @@ class NeuronCache:
     neuron stays while one of the last `window` tokens used it (None: until its slot is needed), and the least
     recently used make room when the cache is full; freed slots are reused in place."""
 
-    def __init__(self, n_neurons: int, capacity: int, n_rows: int, window: int | None, kernels):
+    def __init__(self, n_neurons: int, capacity: int, n_rows: int, window: int | None, kernels,
+                 prefault: bool = False):
         self.kernels = kernels
-        self.rows = [kernels.empty(capacity) for _ in range(n_rows)]  # n_rows stores of (capacity, row)
+        self.rows = [kernels.empty(capacity, prefault) for _ in range(n_rows)]  # n_rows stores of (capacity, row)
         self.slot_of = np.full(n_neurons, -1, dtype=np.int64)         # (n_neurons,) its slot, or -1
         self.neuron_of = np.full(capacity, -1, dtype=np.int64)        # (capacity,) its neuron, or -1
         self.last_used = np.full(capacity, NEVER, dtype=np.int64)     # (capacity,) the token that last used it
