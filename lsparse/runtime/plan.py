@@ -11,6 +11,7 @@ import numpy as np
 from lsparse.errors import LsparseError
 from lsparse.image.manifest import Manifest
 from lsparse.image.quantize import row_bytes as stored_row_bytes
+from lsparse.kernels.backends import STORED_MIN_WEIGHTS
 from lsparse.model import architecture
 from lsparse.runtime.options import DecodeOptions
 from lsparse.runtime.reader import ALIGN
@@ -94,11 +95,14 @@ class Mappable:
 
     @classmethod
     def of(cls, manifest: Manifest, fixed: dict, kernels) -> "Mappable":
-        if manifest.resident_bits == 16 or not getattr(kernels, "quantized", False):
+        arch, args = architecture(manifest.config)
+        smallest = min(args.num_attention_heads, arch.kv_shape(args)[0]) * args.head_dim * args.hidden_size
+        if manifest.resident_bits == 16 or not getattr(kernels, "quantized", False) or \
+                smallest < STORED_MIN_WEIGHTS:  # a smaller matrix is held decoded, in RAM (kernels/backends.py)
             return cls(0, 0, 0, 0)
         n = len(manifest.layers)
         tied = manifest.config.get("tie_word_embeddings")
-        matrices = fixed["embedding_head"] - 2 * _hidden_size(manifest) * F32
+        matrices = fixed["embedding_head"] - 2 * args.hidden_size * F32
         return cls(n, fixed["attention"] // n, matrices if tied else matrices // 2, 0 if tied else matrices // 2)
 
     @property
@@ -110,10 +114,6 @@ class Mappable:
         """What a token touches of mapped matrices at once: a layer's attention in use, the next one's read ahead,
         and the head."""
         return 2 * self.layer_attention + self.head
-
-
-def _hidden_size(manifest: Manifest) -> int:
-    return architecture(manifest.config)[1].hidden_size
 
 
 def plan(manifest: Manifest, kernels, options: DecodeOptions) -> MemoryPlan:

@@ -19,7 +19,7 @@ class Tokenizer:
     def __init__(self, encode_fn, decode_fn, vocab_size: int, bos_id: int | None, eos_ids: set[int],
                  add_bos: bool, chat_template: str | None = None, special: dict[str, str] | None = None,
                  save_fn=None, special_texts: frozenset[str] = frozenset()):
-        self._encode = encode_fn  # (text) or (text, parse_special)
+        self._encode = encode_fn  # (text, parse_special) -> ids
         self._decode = decode_fn
         self._save = save_fn
         self.vocab_size = vocab_size
@@ -33,7 +33,7 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of `text`, BOS first where the model wants one (`add_special_tokens`). Text that spells a
         special token (`<|im_start|>`) becomes that control token only with `parse_special`."""
-        ids = list(self._encode(text) if parse_special else self._encode(text, False))
+        ids = list(self._encode(text, parse_special))
         if add_special_tokens and self.add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
             ids.insert(0, self.bos_id)
         return ids
