@@ -46,7 +46,7 @@ test: $(VENV)/.installed-test proof-tools
 
 # On a Mac: the kernels run on Metal against the CPU path.
 test-metal: $(VENV)/.installed-test
-	$(BIN)/python -m pytest -q -m metal tests/test_kernels.py
+	$(BIN)/python -m pytest -q -m metal tests/test_metal.py
 
 # The tests marked slow, which the default run leaves out (CI runs both).
 test-slow: $(VENV)/.installed-test proof-tools

@@ -25,6 +25,7 @@ import numpy as np
 
 from lsparse.kernels import native
 
+GROUP = 64  # the group size `lsparse compile` writes by default
 GEOMETRIES = {"builtin": (64, 256), "7b": (4096, 11008)}
 FRACTIONS = (0.05, 0.10, 0.20, 0.40, 0.60, 1.00)
 IMPLEMENTATIONS = {"cpu": ("cpu", 4), "cpu-fp16": ("cpu", 16), "cpu-numpy-gather": ("cpu", 4),
@@ -47,7 +48,6 @@ def ffn_step(name: str, d: int, f: int, rng):
     """step(active): one ReLU FFN step through the backend, over the active neurons (None: dense)."""
     from lsparse.image.quantize import quantize_rows
     from lsparse.kernels.backends import CpuKernels, select
-    from lsparse.kernels.metal import GROUP
     backend, bits = IMPLEMENTATIONS[name]
     if name == "cpu-numpy-gather":
         kernels = CpuKernels(d, bits, GROUP, native=False)

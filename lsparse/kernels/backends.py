@@ -6,6 +6,7 @@ rows are written by slot (a layer's neuron cache: `put`), answering products ove
 one of fixed rows (hot neurons, the exact gate, rows read for one token), answering products over all its
 rows (slots None). Values cross the interface as numpy arrays:
 - mv(store, slots, x): x (t, d) -> (t, len(slots)), the gate or up values of those rows;
+- gate_up(gate store, up store, slots, x, skip_cut): both at once, the same rows of two stores;
 - vm(store, slots, a): a (t, len(slots)) -> (t, d), the down projection over them;
 - gate(store, x, bias, cut, cats): exact gating, the gate of every neuron and the active ones, ascending.
 
@@ -14,9 +15,9 @@ Backends (KERNELS):
   kernels (lsparse/kernels/native.py) multiply rows where they lie, 4/8-bit rows as stored in large stores;
   small stores hold fp32 rows for numpy and OpenBLAS, as does everything where no C compiler is found;
 - mlx: rows kept as stored (4/8-bit) and multiplied by MLX's quantized_matmul: a fifth of the RAM at 4 bits;
-- metal: rows kept as stored in MLX arrays; lsparse's Metal kernels (metal/) over slot lists of a fixed
-  capacity padded with -1 (the cache's), MLX's own quantized_matmul over held rows and for the dense gate,
-  compact_active for exact gating's active list;
+- metal: rows kept as stored in MLX arrays; lsparse's Metal kernels (metal/) over slot lists at their length
+  rounded up to 8, padded with -1 (gate and up rows in one pass), MLX's own quantized_matmul over held rows
+  and for the dense gate, compact_active for exact gating's active list;
 - reference and emulated: the metal backend with each Metal kernel call answered by the numpy reference
   (lsparse/kernels/cpu.py) or by the exact Metal source run in the CPU emulator: how the runtime's use of the
   kernels is tested where there is no Metal.
@@ -116,6 +117,11 @@ class CpuKernels:
                              lambda w, s, v: self.native.vm_q(w, s, v, self.d, self.bits, self.group),
                              lambda w, s, v: self.native.vm(w, s, v), lambda v, rows: v @ rows)
 
+    def gate_up(self, gate_store, up_store, slots, x: np.ndarray, skip_cut) -> tuple[np.ndarray, np.ndarray]:
+        """(gate, up) values of the same rows, (t, len(slots)) each. `skip_cut` lets a backend leave up at 0
+        where the gate is at most it (ReLU-family gates); this one computes both."""
+        return self.mv(gate_store, slots, x), self.mv(up_store, slots, x)
+
     def gate(self, store, x: np.ndarray, bias, cut: float, cats: bool) -> tuple[np.ndarray, np.ndarray]:
         """(pre-activations (t, n), the neurons active for any row of x): the dense product, then compaction."""
         pre = self.mv(store, None, x)
@@ -153,18 +159,17 @@ class MlxKernels(CpuKernels):
 
 
 class SlotKernels(MlxKernels):
-    """Rows as stored, in MLX arrays; a cache store is (capacity, row words) uint32 and every slot list is
-    padded to its capacity, so that shapes never change while decoding. `ops` answers the Metal kernel calls:
-    lsparse.kernels.metal itself, or a stand-in with the same signatures (ReferenceOps, emulate.Ops)."""
+    """Rows as stored, in MLX arrays; a cache store is (capacity, row words) uint32 and a slot list travels at
+    its length rounded up to 8, padded with -1. `ops` answers the Metal kernel calls: lsparse.kernels.metal
+    itself, or a stand-in with the same signatures (ReferenceOps, emulate.Ops)."""
 
     def __init__(self, d, bits, group, ops, name: str):
-        from lsparse.kernels.metal import GROUP
-        if bits != 16 and group != GROUP:
-            raise LsparseError(f"--kernels {name}: lsparse's Metal kernels are built for groups of {GROUP}; this "
-                               f"image's rows have groups of {group} (use --kernels cpu or mlx, or compile "
-                               f"with --group-size {GROUP})")
+        from lsparse.kernels.metal import GROUPS, kernel_group
+        if bits != 16 and group not in GROUPS:
+            raise LsparseError(f"--kernels {name}: lsparse's Metal kernels take groups of "
+                               f"{', '.join(map(str, GROUPS))}; this image's rows have groups of {group}")
         super().__init__(d, bits, group)
-        self.ops, self.name = ops, name
+        self.ops, self.name, self.kernel_group = ops, name, kernel_group(bits, group)
 
     def empty(self, count, prefault=False):
         import mlx.core as mx
@@ -186,9 +191,22 @@ class SlotKernels(MlxKernels):
             if self.bits == 16:
                 return np.array(mx.matmul(mx.array(x.astype(np.float32)), store.T.astype(mx.float32)))
             return super().mv(store, None, x)
-        padded = self._padded(store, slots)
-        return np.stack([np.array(self.ops.gather_mv(store, padded, mx.array(row), self.bits))[: len(slots)]
+        padded = _padded(slots)
+        return np.stack([np.array(self.ops.gather_mv(store, padded, mx.array(row), self.bits,
+                                                     self.kernel_group))[: len(slots)]
                          for row in x.astype(np.float32)])
+
+    def gate_up(self, gate_store, up_store, slots, x, skip_cut):
+        """(gate, up), each (t, len(slots)), from one pass over each row of x (gather_gate_up); `skip_cut`: up
+        is left 0 where the gate is at most this (ReLU-family gates), None: computed everywhere."""
+        import mlx.core as mx
+        if slots is None:  # held rows: MLX's own kernels, one product each
+            return super().gate_up(gate_store, up_store, None, x, skip_cut)
+        padded = _padded(slots)
+        threshold = mx.array(np.array([0.0 if skip_cut is None else skip_cut], dtype=np.float32))
+        pairs = [self.ops.gather_gate_up(gate_store, up_store, padded, mx.array(row), threshold, self.bits,
+                                         self.kernel_group, skip_cut is not None) for row in x.astype(np.float32)]
+        return tuple(np.stack([np.array(pair[k])[: len(slots)] for pair in pairs]) for k in (0, 1))
 
     def vm(self, store, slots, a):
         import mlx.core as mx
@@ -196,12 +214,13 @@ class SlotKernels(MlxKernels):
             if self.bits == 16:
                 return np.array(mx.matmul(mx.array(a.astype(np.float32)), store.astype(mx.float32)))
             return super().vm(store, None, a)
-        padded = self._padded(store, slots)
+        padded = _padded(slots)
         out = []
         for row in a.astype(np.float32):
-            coefficients = np.zeros(store.shape[0], dtype=np.float32)
+            coefficients = np.zeros(padded.shape[0], dtype=np.float32)
             coefficients[: len(slots)] = row
-            out.append(np.array(self.ops.gather_down(store, padded, mx.array(coefficients), self.bits, self.d)))
+            out.append(np.array(self.ops.gather_down(store, padded, mx.array(coefficients), self.bits,
+                                                     self.kernel_group, self.d)))
         return np.stack(out)
 
     def gate(self, store, x, bias, cut, cats):
@@ -215,30 +234,36 @@ class SlotKernels(MlxKernels):
             active.append(np.array(indices)[: int(np.array(count)[0])])
         return pre, active[0] if len(active) == 1 else np.unique(np.concatenate(active))
 
-    @staticmethod
-    def _padded(store, slots):
-        import mlx.core as mx
-        padded = np.full(store.shape[0], -1, dtype=np.int32)
-        padded[: len(slots)] = slots
-        return mx.array(padded)
+
+def _padded(slots: np.ndarray):
+    """A slot list as the kernels take it: its length rounded up to 8, padded with -1 (an MLX array)."""
+    import mlx.core as mx
+
+    from lsparse.kernels.metal import padded_length
+    padded = np.full(padded_length(len(slots)), -1, dtype=np.int32)
+    padded[: len(slots)] = slots
+    return mx.array(padded)
 
 
 class ReferenceOps:
     """The Metal kernels' calls answered by the numpy reference, on MLX arrays."""
 
     @staticmethod
-    def gather_mv(w, slots, x, bits):
+    def gather_mv(w, slots, x, bits, group):
         import mlx.core as mx
-
-        from lsparse.kernels.metal import GROUP
-        return mx.array(cpu.gather_mv(np.array(w), np.array(slots), np.array(x), bits, GROUP))
+        return mx.array(cpu.gather_mv(np.array(w), np.array(slots), np.array(x), bits, group))
 
     @staticmethod
-    def gather_down(w, slots, a, bits, d):
+    def gather_gate_up(gate_w, up_w, slots, x, threshold, bits, group, skip):
         import mlx.core as mx
+        gate, up = cpu.gather_gate_up(np.array(gate_w), np.array(up_w), np.array(slots), np.array(x),
+                                      float(np.array(threshold)[0]), bits, group, skip)
+        return mx.array(gate), mx.array(up)
 
-        from lsparse.kernels.metal import GROUP
-        return mx.array(cpu.gather_down(np.array(w), np.array(slots), np.array(a), bits, d, GROUP))
+    @staticmethod
+    def gather_down(w, slots, a, bits, group, d):
+        import mlx.core as mx
+        return mx.array(cpu.gather_down(np.array(w), np.array(slots), np.array(a), bits, d, group))
 
     @staticmethod
     def compact_active(pre, threshold, cats):

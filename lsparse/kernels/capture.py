@@ -12,52 +12,59 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lsparse.kernels.metal import BITS, SOURCES
+from lsparse.kernels.metal import SOURCES, variant_label
 
 BLOCK = re.compile(r"Generated source code for `([^`]+)`:\n```\n(.*?)\n```", re.S)
 
 
-def _trace_all() -> None:
-    """In this process: trace one call of every kernel at every precision, printing MLX's source."""
+def _trace(name: str, values: tuple[int, ...], folder: str) -> None:
+    """Trace one call of a kernel variant, MLX printing its source."""
     import mlx.core as mx
 
-    from lsparse.kernels.metal import compact_active, gather_down, gather_mv
-    d, capacity = 128, 8
+    from lsparse.kernels import metal
+    d, n = 128, 8
+    bits, group = values[:2] if name != "compact_active" else (4, 64)
+    words = d * bits // 32 + (0 if bits == 16 else d // group)
+    w, slots, vec = mx.zeros((n, words), dtype=mx.uint32), mx.zeros((n,), dtype=mx.int32), mx.zeros((d,))
+    path = f"{folder}/{name}-{variant_label(values)}.mlxfn"
+    if name == "gather_mv":
+        mx.export_function(path, lambda w, s, x: metal.gather_mv(w, s, x, bits, group, verbose=True), w, slots, vec)
+    elif name == "gather_gate_up":
+        mx.export_function(path, lambda g, u, s, x, t: metal.gather_gate_up(g, u, s, x, t, bits, group, values[2],
+                                                                            verbose=True),
+                           w, w, slots, vec, mx.zeros((1,)))
+    elif name == "gather_down":
+        mx.export_function(path, lambda w, s, a: metal.gather_down(w, s, a, bits, group, d, verbose=True), w, slots,
+                           mx.zeros((n,)))
+    else:
+        mx.export_function(path, lambda p, t: metal.compact_active(p, t, values[0], verbose=True), vec,
+                           mx.zeros((1,)))
+    sys.stdout.flush()
+
+
+def _trace_all() -> None:
+    """In this process: trace one call of every kernel variant, in SOURCES' order."""
     with tempfile.TemporaryDirectory() as tmp:
-        for bits in BITS:
-            words = d * bits // 32 + (0 if bits == 16 else d // 32)
-            w = mx.zeros((capacity, words), dtype=mx.uint32)
-            slots = mx.zeros((capacity,), dtype=mx.int32)
-            vec = mx.zeros((d,))
-            mx.export_function(f"{tmp}/mv{bits}.mlxfn",
-                               lambda w, s, x, b=bits: gather_mv(w, s, x, b, verbose=True), w, slots, vec)
-            mx.export_function(f"{tmp}/down{bits}.mlxfn",
-                               lambda w, s, a, b=bits: gather_down(w, s, a, b, d, verbose=True), w, slots,
-                               mx.zeros((capacity,)))
-            sys.stdout.flush()
-        for cats in (0, 1):
-            mx.export_function(f"{tmp}/compact{cats}.mlxfn",
-                               lambda p, t, c=cats: compact_active(p, t, c, verbose=True), mx.zeros((capacity,)),
-                               mx.zeros((1,)))
-            sys.stdout.flush()
+        for name, values in SOURCES:
+            _trace(name, values, tmp)
 
 
-def capture() -> dict[tuple[str, int], str]:
+def capture() -> dict[tuple[str, tuple[int, ...]], str]:
     """{(kernel, variant): the source MLX generates}, from a child process (MLX prints from C++)."""
     done = subprocess.run([sys.executable, "-c", "from lsparse.kernels.capture import _trace_all; _trace_all()"],
                           capture_output=True, text=True, check=True)
     found = BLOCK.findall(done.stdout)
-    order = [(name, bits) for bits in BITS for name in ("gather_mv", "gather_down")] + \
-        [("compact_active", cats) for cats in (0, 1)]
-    if len(found) != len(order) or any(f"lsparse_{n}" != k for (k, _), (n, _) in zip(found, order, strict=True)):
+    if len(found) != len(SOURCES) or any(f"lsparse_{n}" != k for (k, _), (n, _) in zip(found, SOURCES, strict=True)):
         raise RuntimeError(f"unexpected MLX output: {[k for k, _ in found]}")
     # the pattern takes the newline before the closing fence: give it back
-    return {key: source + "\n" for key, (_, source) in zip(order, found, strict=True)}
+    return {key: source + "\n" for key, (_, source) in zip(SOURCES, found, strict=True)}
 
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     out.mkdir(parents=True, exist_ok=True)
-    for (name, value), source in capture().items():
-        (out / f"{name}-{value}.metal").write_text(source)
+    for old in out.glob("*.metal"):
+        old.unlink()
+    for (name, values), source in capture().items():
+        (out / f"{name}-{variant_label(values)}.metal").write_text(source)
     print(f"{len(SOURCES)} sources written to {out}")

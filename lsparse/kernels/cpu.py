@@ -31,6 +31,13 @@ def gather_down(w: np.ndarray, slots: np.ndarray, a: np.ndarray, bits: int, d: i
     return a[valid].astype(np.float32) @ rows
 
 
+def gather_gate_up(gate_w: np.ndarray, up_w: np.ndarray, slots: np.ndarray, x: np.ndarray, cut: float, bits: int,
+                   group: int, skip: bool) -> tuple[np.ndarray, np.ndarray]:
+    """(gate, up) over the same slots; with `skip` (ReLU-family gates), up is 0 where gate <= cut."""
+    gate, up = gather_mv(gate_w, slots, x, bits, group), gather_mv(up_w, slots, x, bits, group)
+    return gate, np.where(gate > cut, up, 0).astype(np.float32) if skip else up
+
+
 def gate_passes(pre: np.ndarray, cut: float, cats: bool) -> np.ndarray:
     """Which neurons are active from the gate (OPT: fc1) pre-activation: pre > cut for ReLU-family gates (cut 0,
     or FATReLU's threshold); |silu(pre)| > cut with CATS (SwiGLU images)."""

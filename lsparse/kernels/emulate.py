@@ -12,7 +12,18 @@ from pathlib import Path
 
 import numpy as np
 
-from lsparse.kernels.metal import METAL_DIR, function_name, parameters, render, template_args
+from lsparse.kernels import metal
+from lsparse.kernels.metal import (
+    KERNELS,
+    METAL_DIR,
+    function_name,
+    launch,
+    parameters,
+    read_source,
+    render,
+    template_args,
+    variant_label,
+)
 from lsparse.kernels.proof import checkable, clang
 
 INCLUDE = METAL_DIR / "proof" / "emulator-include"
@@ -26,15 +37,24 @@ ATTRIBUTE_FROM_THREAD = {"thread_position_in_grid": "t.position_in_grid",
                          "simdgroup_index_in_threadgroup": "t.simdgroup_index",
                          "thread_index_in_simdgroup": "t.index_in_simdgroup"}
 BUILD_DIR = Path(tempfile.gettempdir()) / "lsparse-emulator"
+POISON = 0x5A5A5A5A  # what an integer output holds before a kernel writes it
 
 
 class EmulatorError(RuntimeError):
     """The kernel did something the emulator or a sanitizer caught; the message is their report."""
 
 
-def program(name: str, bits: int, source: str | None = None) -> str:
-    """A C++ program that loads a kernel's inputs from a folder, runs the grid and saves its outputs."""
-    source = checkable(source if source is not None else render(name, bits))
+def program(name: str, variants: tuple[tuple[int, ...], ...], source: str | None = None) -> str:
+    """A C++ program that loads a kernel's inputs from a folder, runs the grid of the variant it is asked for
+    and saves its outputs: every variant's exact source after one copy of the header (or `source`, one
+    variant's whole source, such as a mutant)."""
+    header, _ = read_source(name)
+    if source is not None:
+        (values,) = variants
+        text = checkable(source)
+    else:
+        text = checkable(header) + "".join(checkable(render(name, values)).removeprefix(checkable(header))
+                                           for values in variants)
     args, loads, saves = [], [], []
     for role, arg, ctype in parameters(name):
         if role in ("input", "constant"):
@@ -48,22 +68,28 @@ def program(name: str, bits: int, source: str | None = None) -> str:
             args.append(f"{arg}.data.data()")
         else:
             args.append(ATTRIBUTE_FROM_THREAD[arg])
-    fn = f"{function_name(name, bits)}<{', '.join(str(v) for _, v in template_args(name, bits))}>"
-    return (source + "\nint main(int argc, char** argv) {\n  if (argc != 4) return 2;\n"
-            + "  const std::string dir = argv[1];\n" + "\n".join(loads) + "\n"
-            + "  emu::run(emu::dims(argv[2]), emu::dims(argv[3]), [&](const emu::Thread& t) {\n"
-            + f"    {fn}({', '.join(args)});\n  }});\n" + "\n".join(saves) + "\n  return 0;\n}\n")
+    calls = []
+    for values in variants:
+        fn = f"{function_name(name, values)}<{', '.join(str(v) for _, v in template_args(name, values))}>"
+        calls.append(f'  if (variant == "{variant_label(values)}") {{\n'
+                     f"    emu::run(emu::dims(argv[2]), emu::dims(argv[3]), [&](const emu::Thread& t) {{\n"
+                     f"      {fn}({', '.join(args)});\n    }});\n    ran = true;\n  }}")
+    return (text + "\nint main(int argc, char** argv) {\n  if (argc != 5) return 2;\n"
+            + "  const std::string dir = argv[1];\n  const std::string variant = argv[4];\n  bool ran = false;\n"
+            + "\n".join(loads) + "\n" + "\n".join(calls) + "\n  if (!ran) return 4;\n"
+            + "\n".join(saves) + "\n  return 0;\n}\n")
 
 
-def build(name: str, bits: int, sanitizer: str = "address", source: str | None = None) -> Path:
-    """The emulator binary for a kernel (cached by the hash of its program)."""
+def build(name: str, variants: tuple[tuple[int, ...], ...] | None = None, sanitizer: str = "address",
+          source: str | None = None) -> Path:
+    """The emulator binary for a kernel's variants (all of them by default), cached by the hash of its program."""
     compiler = clang()
     if compiler is None:
         raise FileNotFoundError("clang++ is not installed (Debian: apt-get install clang; `make proof-tools`)")
-    text = program(name, bits, source)
+    text = program(name, variants or KERNELS[name].variants, source)
     headers = "".join(path.read_text() for path in (METAL_DIR / "proof" / "emulator.h", HALF))
     key = hashlib.sha256((text + sanitizer + headers).encode()).hexdigest()
-    binary = BUILD_DIR / f"{name}-{bits}-{sanitizer}-{key[:16]}"
+    binary = BUILD_DIR / f"{name}-{sanitizer}-{key[:16]}"
     if binary.exists():
         return binary
     BUILD_DIR.mkdir(parents=True, exist_ok=True)
@@ -77,17 +103,24 @@ def build(name: str, bits: int, sanitizer: str = "address", source: str | None =
     return binary
 
 
-def run(binary: Path, inputs: dict[str, np.ndarray], outputs: dict[str, tuple[tuple[int, ...], type]],
-        grid: tuple[int, int, int], threadgroup: tuple[int, int, int], timeout: float = 120) -> dict:
-    """The outputs of one dispatch: `outputs` maps a name to (shape, dtype), zero-filled before the run."""
+def poisoned(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An output buffer as Metal leaves it: not zeroed. NaN for floats, a sentinel for integers, so that an
+    element the kernel does not write shows."""
+    return np.full(shape, np.nan if np.dtype(dtype).kind == "f" else POISON, dtype=dtype)
+
+
+def run(binary: Path, variant: tuple[int, ...], inputs: dict[str, np.ndarray],
+        outputs: dict[str, tuple[tuple[int, ...], type]], grid: tuple[int, int, int],
+        threadgroup: tuple[int, int, int], timeout: float = 120) -> dict:
+    """The outputs of one dispatch: `outputs` maps a name to (shape, dtype), poisoned before the run."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        arrays = {**inputs, **{k: np.zeros(shape, dtype) for k, (shape, dtype) in outputs.items()}}
+        arrays = {**inputs, **{k: poisoned(shape, dtype) for k, (shape, dtype) in outputs.items()}}
         for arg, array in arrays.items():
             np.ascontiguousarray(array).tofile(folder / f"{arg}.bin")
             (folder / f"{arg}.shape").write_text(" ".join(map(str, array.shape)))
-        done = subprocess.run([str(binary), tmp, ",".join(map(str, grid)), ",".join(map(str, threadgroup))],
-                              capture_output=True, text=True, timeout=timeout,
+        done = subprocess.run([str(binary), tmp, ",".join(map(str, grid)), ",".join(map(str, threadgroup)),
+                               variant_label(variant)], capture_output=True, text=True, timeout=timeout,
                               env={"ASAN_OPTIONS": "detect_leaks=0", "TSAN_OPTIONS": "halt_on_error=1"})
         if done.returncode != 0:
             raise EmulatorError(done.stderr.strip() or f"exit status {done.returncode}")
@@ -99,23 +132,36 @@ class Ops:
     the exact Metal source, built under ASan and UBSan, dispatched with the grid Metal would get."""
 
     @staticmethod
-    def _dispatch(name, value, inputs, outputs, n, d=0, bits=4):
+    def _dispatch(name, values, inputs, outputs, n, d=0, bits=4):
         import mlx.core as mx
-
-        from lsparse.kernels.metal import launch
         grid, threadgroup = launch(name, n, d, bits)
-        got = run(build(name, value), {k: np.array(v) for k, v in inputs.items()}, outputs, grid, threadgroup)
+        got = run(build(name), values, {k: np.array(v) for k, v in inputs.items()}, outputs, grid, threadgroup)
         return [mx.array(got[k]) for k in outputs]
 
-    def gather_mv(self, w, slots, x, bits):
+    def gather_mv(self, w, slots, x, bits, group):
         n = slots.shape[0]
-        return self._dispatch("gather_mv", bits, {"w": w, "slots": slots, "x": x}, {"y": ((n,), np.float32)}, n)[0]
+        if n == 0:
+            return metal.gather_mv(w, slots, x, bits, group)
+        return self._dispatch("gather_mv", (bits, group), {"w": w, "slots": slots, "x": x},
+                              {"y": ((n,), np.float32)}, n)[0]
 
-    def gather_down(self, w, slots, a, bits, d):
-        return self._dispatch("gather_down", bits, {"w": w, "slots": slots, "a": a}, {"out": ((d,), np.float32)},
-                              slots.shape[0], d, bits)[0]
+    def gather_gate_up(self, gate_w, up_w, slots, x, threshold, bits, group, skip):
+        n = slots.shape[0]
+        if n == 0:
+            return metal.gather_gate_up(gate_w, up_w, slots, x, threshold, bits, group, skip)
+        return tuple(self._dispatch("gather_gate_up", (bits, group, int(skip)),
+                                    {"gate_w": gate_w, "up_w": up_w, "slots": slots, "x": x, "threshold": threshold},
+                                    {"gate": ((n,), np.float32), "up": ((n,), np.float32)}, n))
+
+    def gather_down(self, w, slots, a, bits, group, d):
+        n = slots.shape[0]
+        if n == 0:
+            return metal.gather_down(w, slots, a, bits, group, d)
+        partial = self._dispatch("gather_down", (bits, group), {"w": w, "slots": slots, "a": a},
+                                 {"partial": ((metal.down_splits(n), d), np.float32)}, n, d, bits)[0]
+        return partial.sum(axis=0)
 
     def compact_active(self, pre, threshold, cats):
         n = pre.shape[0]
-        return self._dispatch("compact_active", int(cats), {"pre": pre, "threshold": threshold},
+        return self._dispatch("compact_active", (int(cats),), {"pre": pre, "threshold": threshold},
                               {"indices": ((n,), np.int32), "count": ((1,), np.int32)}, n)

@@ -10,7 +10,7 @@ import numpy as np
 from lsparse.image.manifest import Layer
 from lsparse.kernels.cpu import gate_passes
 from lsparse.model.layers import relu
-from lsparse.model.llama import gate_activation
+from lsparse.model.llama import ACTIVATIONS, gate_activation
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,14 @@ class Activation:
         cats = layer.threshold > 0
         return cls(args, "gate" in arch.BUNDLE, layer.threshold if cats else getattr(args, "relu_threshold", 0.0),
                    cats, layer.threshold_on, mode != "dense")
+
+    @property
+    def zero_at_or_below(self) -> float | None:
+        """A gated ReLU-family activation is 0 wherever the gate is at most this (ReLU: 0, FATReLU: its
+        threshold), whatever up is: a kernel may skip those up rows. None for SiLU gates."""
+        if not self.gated or ACTIVATIONS[self.args.hidden_act][0] == "silu":
+            return None
+        return float(self.args.relu_threshold)
 
     def __call__(self, pre: np.ndarray, up: np.ndarray | None) -> np.ndarray:
         if not self.gated:  # OPT: relu(fc1 x + b)
@@ -58,13 +66,16 @@ class NeuronProducts:
         (None: all of a held store); `pre_all` (t, d_ff): the gate already computed for every neuron."""
         if len(neurons) == 0:
             return np.zeros((x.shape[0], self.d_model), dtype=np.float32)
+        up = None
         if pre_all is not None:
             pre = pre_all[:, neurons]
+            up = self.kernels.mv(stores["up"], slots, x) if self.gated else None
+        elif self.gated:
+            pre, up = self.kernels.gate_up(stores["gate"], stores["up"], slots, x, self.activation.zero_at_or_below)
         else:
             pre = self.kernels.mv(stores[self.projection], slots, x)
             if self.up_bias is not None:
                 pre = pre + self.up_bias[neurons]
-        up = self.kernels.mv(stores["up"], slots, x) if self.gated else None
         return self.kernels.vm(stores["down"], slots, self.activation(pre, up))
 
     def finish(self, out: np.ndarray) -> np.ndarray:

@@ -1,36 +1,41 @@
-  // out[j] = sum over i of a[i] * row(slots[i])[j]: the down projection over the slots of a layer's neuron
-  // cache, whose rows are the active neurons' down columns. Each thread owns one word of the rows (8 outputs
-  // at 4 bits, 4 at 8, 2 at fp16): grid (d / outputs per word). Slots and coefficients pass through
-  // threadgroup memory a tile at a time, read once per threadgroup instead of once per thread.
-  constexpr int TILE = 64;
-  threadgroup int tile_slot[TILE];
-  threadgroup float tile_a[TILE];
+  // partial[s][j] = sum of a[i] * row(slots[i])[j] over split s's slots (SPLIT of them): the down projection
+  // over a layer's neuron cache, whose rows are the active neurons' down columns, split over the slot list as
+  // MLX's qvm_split_k splits K; the caller sums the splits (a second, small pass). Grid (32 * column blocks,
+  // 2 * splits), threadgroup (32, 2): each lane owns a block of VALUES outputs, the two SIMD groups take
+  // alternate slots of the split, and the second's sums meet the first's in threadgroup memory. Only the
+  // split's slots are visited; slots of -1 and zero coefficients are skipped.
+  constexpr int SPLIT = 64;
+  constexpr int SIMDS = 2;
+  constexpr int V = Row<BITS, GROUP>::VALUES;
+  threadgroup float other[32 * V];
   const int n = slots_shape[0];
   const int d = Row<BITS, GROUP>::width(w_shape[1]);
-  const int per = Row<BITS, GROUP>::per_word();
-  const int words = d / per;
-  const int word = int(thread_position_in_grid.x);
-  const uint t = thread_position_in_threadgroup.x;
-  const uint threads = threads_per_threadgroup.x;
-  float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-  for (int base = 0; base < n; base += TILE) {
-    for (uint k = t; k < uint(TILE); k += threads) {
-      const int i = base + int(k);
-      tile_slot[k] = i < n ? slots[i] : -1;
-      tile_a[k] = i < n ? a[i] : 0.0f;
-    }
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    if (word < words) {
-      for (int k = 0; k < TILE; k++) {
-        if (tile_slot[k] >= 0 && tile_a[k] != 0.0f) {
-          Row<BITS, GROUP>::axpy(w + size_t(tile_slot[k]) * size_t(w_shape[1]), word, d, tile_a[k], acc);
-        }
+  const int lane = int(thread_position_in_threadgroup.x);
+  const int simd = int(thread_position_in_threadgroup.y);
+  const int col = (int(threadgroup_position_in_grid.x) * 32 + lane) * V;
+  const int split = int(threadgroup_position_in_grid.y);
+  const int end = min(n, (split + 1) * SPLIT);
+  float acc[V];
+  for (int k = 0; k < V; k++) {
+    acc[k] = 0.0f;
+  }
+  if (col < d) {
+    for (int i = split * SPLIT + simd; i < end; i += SIMDS) {
+      const int slot = slots[i];
+      const float coefficient = a[i];
+      if (slot >= 0 && coefficient != 0.0f) {
+        Row<BITS, GROUP>::axpy(w + size_t(slot) * size_t(w_shape[1]), d, col, coefficient, acc);
       }
     }
-    threadgroup_barrier(mem_flags::mem_threadgroup);  // the next tile overwrites what others may still read
   }
-  if (word < words) {
-    for (int k = 0; k < per; k++) {
-      out[word * per + k] = acc[k];
+  if (simd == 1) {
+    for (int k = 0; k < V; k++) {
+      other[lane * V + k] = acc[k];
+    }
+  }
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  if (simd == 0 && col < d) {
+    for (int k = 0; k < V; k++) {
+      partial[size_t(split) * size_t(d) + size_t(col + k)] = acc[k] + other[lane * V + k];
     }
   }

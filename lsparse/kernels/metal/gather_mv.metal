@@ -1,18 +1,34 @@
-  // y[i] = row(slots[i]) . x over the slots of a layer's neuron cache (the gate or up rows of the active
-  // neurons). One SIMD group of 32 lanes per row: grid (32, capacity), threadgroup (32, rows per group).
-  // The slot list has a fixed capacity, padded with -1, so shapes, and the compiled kernel, never change.
-  const uint lane = thread_position_in_grid.x;
-  const int i = int(thread_position_in_grid.y);
+  // y[i] = row(slots[i]) . x over the slots of a layer's neuron cache (the up rows of the active neurons, or
+  // the gate's). As MLX's qmv_fast: a SIMD group takes ROWS rows and each lane holds a block of x in registers
+  // for all of them, so x is read once per ROWS rows; grid (32, SIMD groups), threadgroup (32, 2). Slots of -1
+  // (padding to a multiple of 8) give 0.
+  constexpr int ROWS = 4;
+  constexpr int V = Row<BITS, GROUP>::VALUES;
+  const int lane = int(thread_position_in_grid.x);
+  const int first = int(thread_position_in_grid.y) * ROWS;
   const int n = slots_shape[0];
-  if (i >= n) {
-    return;  // all 32 lanes of a SIMD group share i: a uniform branch
+  const int d = x_shape[0];
+  if (first >= n) {
+    return;  // the 32 lanes of a SIMD group share `first`: a uniform branch
   }
-  const int slot = slots[i];
-  float acc = 0.0f;
-  if (slot >= 0) {
-    acc = Row<BITS, GROUP>::dot(w + size_t(slot) * size_t(w_shape[1]), x, lane, x_shape[0]);
+  const device uint32_t* row[ROWS];
+  for (int r = 0; r < ROWS; r++) {
+    const int slot = first + r < n ? slots[first + r] : -1;
+    row[r] = slot >= 0 ? w + size_t(slot) * size_t(w_shape[1]) : nullptr;
   }
-  acc = simd_sum(acc);
-  if (lane == 0) {
-    y[i] = acc;
+  float acc[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float xr[V];
+  for (int col = lane * V; col < d; col += 32 * V) {
+    const float xsum = load_block<V>(x, col, xr);
+    for (int r = 0; r < ROWS; r++) {
+      if (row[r] != nullptr) {
+        acc[r] += Row<BITS, GROUP>::dot(row[r], d, col, xr, xsum);
+      }
+    }
+  }
+  for (int r = 0; r < ROWS; r++) {
+    const float total = simd_sum(acc[r]);
+    if (lane == 0 && first + r < n) {
+      y[first + r] = total;
+    }
   }

@@ -1,87 +1,92 @@
 // Rows of the neuron cache, as the kernels read them. A row is d weights in MLX's affine quantization: the
 // codes packed into 32-bit words, then one fp16 scale and one fp16 bias per group of GROUP weights
-// (w = scale * code + bias); with BITS 16, d plain fp16 weights. This is the image's row format
+// (w = scale * code + bias); with BITS 16, d plain fp16 weights (GROUP 0). This is the image's row format
 // (docs/IMAGE_FORMAT.md), so bundles read from flash are used as they are.
+//
+// A lane works on a block of VALUES consecutive weights of a row: 16 bytes of it (four 32-bit words), the
+// load MLX's qmv_fast and qvm make per lane. GROUP (32, 64 or 128) is a multiple of VALUES (at most 32), so a
+// block lies in one group and takes one scale and one bias. The four words are read as four 4-byte loads:
+// a row of an image need not start on a 16-byte boundary.
 #include <metal_stdlib>
 using namespace metal;
 
 template <int BITS, int GROUP>
 struct Row {
-  static int per_word() {
-    return 32 / BITS;
-  }
+  static constexpr int VALUES = 128 / BITS;  // weights per lane per block: 32 at 4 bits, 16 at 8
+  static constexpr int PER_WORD = 32 / BITS;
 
   // d, from a row's length in 32-bit words: d * BITS / 32 words of codes, then d / GROUP of scales and biases
   static int width(int row_words) {
     return row_words * 32 * GROUP / (BITS * GROUP + 32);
   }
 
-  // This lane's share of row . x: words lane, lane + 32, ...
-  static float dot(const device uint32_t* row, const device float* x, uint lane, int d) {
-    const int per = 32 / BITS;
-    const int words = d / per;
-    const device half* scales = (const device half*)(row + words);
-    const device half* biases = scales + d / GROUP;
-    const uint32_t mask = (1u << BITS) - 1u;
-    float acc = 0.0f;
-    for (int w = int(lane); w < words; w += 32) {
-      const int i = w * per;
-      uint32_t packed = row[w];
-      float dot = 0.0f;
-      float xsum = 0.0f;
-      for (int k = 0; k < per; k++) {
-        const float xk = x[i + k];
-        dot += float(packed & mask) * xk;
-        xsum += xk;
+  // The block at `col` of this row dotted with xr, its VALUES weights of x held in registers; xsum is their
+  // sum: sum (s q + b) x = s (q . x) + b (sum x), one multiply per weight, as MLX's qmv does.
+  static float dot(const device uint32_t* row, int d, int col, const thread float* xr, float xsum) {
+    const device uint32_t* words = row + col / PER_WORD;
+    const device half* scales = (const device half*)(row + d / PER_WORD);
+    float q = 0.0f;
+    for (int w = 0; w < 4; w++) {
+      uint32_t packed = words[w];
+      for (int k = 0; k < PER_WORD; k++) {
+        q += float(packed & ((1u << BITS) - 1u)) * xr[w * PER_WORD + k];
         packed >>= BITS;
       }
-      // sum (s q + b) x = s (q . x) + b (sum x): one multiply per weight, as MLX's qmv does
-      acc += float(scales[i / GROUP]) * dot + float(biases[i / GROUP]) * xsum;
     }
-    return acc;
+    return float(scales[col / GROUP]) * q + float(scales[d / GROUP + col / GROUP]) * xsum;
   }
 
-  // out[k] += a * row[word * per_word + k] for the weights of one word
-  static void axpy(const device uint32_t* row, int word, int d, float a, thread float* out) {
-    const int per = 32 / BITS;
-    const int i = word * per;
-    const device half* scales = (const device half*)(row + d / per);
-    const device half* biases = scales + d / GROUP;
-    const float s = a * float(scales[i / GROUP]);
-    const float b = a * float(biases[i / GROUP]);
-    uint32_t packed = row[word];
-    for (int k = 0; k < per; k++) {
-      out[k] += s * float(packed & ((1u << BITS) - 1u)) + b;
-      packed >>= BITS;
+  // acc[k] += a * row[col + k] for the VALUES weights of the block at `col`
+  static void axpy(const device uint32_t* row, int d, int col, float a, thread float* acc) {
+    const device uint32_t* words = row + col / PER_WORD;
+    const device half* scales = (const device half*)(row + d / PER_WORD);
+    const float s = a * float(scales[col / GROUP]);
+    const float b = a * float(scales[d / GROUP + col / GROUP]);
+    for (int w = 0; w < 4; w++) {
+      uint32_t packed = words[w];
+      for (int k = 0; k < PER_WORD; k++) {
+        acc[w * PER_WORD + k] += s * float(packed & ((1u << BITS) - 1u)) + b;
+        packed >>= BITS;
+      }
     }
   }
 };
 
 template <int GROUP>
 struct Row<16, GROUP> {
-  static int per_word() {
-    return 2;
-  }
+  static constexpr int VALUES = 8;
 
   static int width(int row_words) {
     return row_words * 2;
   }
 
-  static float dot(const device uint32_t* row, const device float* x, uint lane, int d) {
-    const device half* h = (const device half*)row;
+  static float dot(const device uint32_t* row, int d, int col, const thread float* xr, float xsum) {
+    const device half* h = (const device half*)row + col;
     float acc = 0.0f;
-    for (int w = int(lane); w < d / 2; w += 32) {
-      acc += float(h[2 * w]) * x[2 * w] + float(h[2 * w + 1]) * x[2 * w + 1];
+    for (int k = 0; k < VALUES; k++) {
+      acc += float(h[k]) * xr[k];
     }
     return acc;
   }
 
-  static void axpy(const device uint32_t* row, int word, int d, float a, thread float* out) {
-    const device half* h = (const device half*)row;
-    out[0] += a * float(h[2 * word]);
-    out[1] += a * float(h[2 * word + 1]);
+  static void axpy(const device uint32_t* row, int d, int col, float a, thread float* acc) {
+    const device half* h = (const device half*)row + col;
+    for (int k = 0; k < VALUES; k++) {
+      acc[k] += a * float(h[k]);
+    }
   }
 };
+
+// x's block at `col` into registers; returns the block's sum
+template <int VALUES>
+inline float load_block(const device float* x, int col, thread float* xr) {
+  float sum = 0.0f;
+  for (int k = 0; k < VALUES; k++) {
+    xr[k] = x[col + k];
+    sum += xr[k];
+  }
+  return sum;
+}
 
 // Whether a neuron is active, from its gate (OPT: fc1) pre-activation: for ReLU-family models where it exceeds
 // the cut (0, or FATReLU's threshold); with CATS (SwiGLU images) where |silu(pre)| does.
