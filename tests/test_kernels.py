@@ -10,32 +10,8 @@ import numpy as np
 import pytest
 
 from lsparse.image.quantize import quantize_rows
-from lsparse.kernels import cpu
-from lsparse.kernels.metal import BITS
 
 GROUP = 64
-
-
-def rows_and_slots(bits, d=256, n_rows=40, capacity=24, seed=0):
-    rng = np.random.default_rng(seed)
-    rows = quantize_rows(rng.standard_normal((n_rows, d)).astype(np.float32), bits, GROUP)
-    w = np.ascontiguousarray(rows).view(np.uint32)
-    slots = np.full(capacity, -1, dtype=np.int32)
-    slots[:17] = rng.choice(n_rows, 17, replace=False)
-    return w, slots, rng.standard_normal(d).astype(np.float32), rng.standard_normal(capacity).astype(np.float32)
-
-
-@pytest.mark.parametrize("bits", BITS)
-def test_cpu_path_matches_dense_arithmetic_on_decoded_rows(bits):
-    from lsparse.image.quantize import dequantize_rows
-    w, slots, x, a = rows_and_slots(bits)
-    dense = dequantize_rows(w.view(np.uint8), x.shape[0], bits, GROUP)
-    valid = slots >= 0
-    np.testing.assert_allclose(cpu.gather_mv(w, slots, x, bits, GROUP)[valid], dense[slots[valid]] @ x, rtol=1e-5,
-                               atol=1e-4)
-    assert (cpu.gather_mv(w, slots, x, bits, GROUP)[~valid] == 0).all()
-    np.testing.assert_allclose(cpu.gather_down(w, slots, a, bits, x.shape[0], GROUP), a[valid] @ dense[slots[valid]],
-                               rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("kernels", ["cpu", "mlx", "reference"])
@@ -217,3 +193,39 @@ def test_a_prefaulted_store_holds_its_pages_from_the_start():
     ready = kernels.empty(count, prefault=True)
     assert rss() - before > 60 << 20
     assert ready.shape == lazy.shape == (count, kernels.row_bytes) and not ready.any() and ready.flags.writeable
+
+
+def fake_compiler(folder, refuse: str):
+    """A C compiler that refuses any argument containing `refuse` (as Apple's older clang refuses
+    -march=native), passing the rest to the system's."""
+    from lsparse.kernels.native import compiler
+    real = compiler()
+    path = folder / "cc"
+    path.write_text(f"#!/bin/sh\nfor a in \"$@\"; do case \"$a\" in *{refuse}*)\n"
+                    f"  echo \"error: unknown argument: '$a'\" >&2; exit 1;; esac; done\nexec {real} \"$@\"\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("refuse", ["-march=native", "=native"])
+def test_the_c_kernels_build_where_the_compiler_refuses_march_native(tmp_path, monkeypatch, refuse):
+    """-march=native refused: -mcpu=native, then no target flag at all; the library builds and multiplies."""
+    from lsparse.kernels import native
+    if native.compiler() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("CC", str(fake_compiler(tmp_path, refuse)))
+    monkeypatch.setattr(native, "CACHE", tmp_path / "cache")
+    arch, _ = native.target(str(tmp_path / "cc"))
+    assert arch == (("-mcpu=native",) if refuse == "-march=native" else ())
+    lib = native._build()
+    assert lib is not None and (tmp_path / "cache").exists()
+
+
+def test_a_c_build_that_fails_says_so(tmp_path, monkeypatch, capsys):
+    from lsparse.kernels import native
+    if native.compiler() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("CC", str(fake_compiler(tmp_path, "-shared")))
+    monkeypatch.setattr(native, "CACHE", tmp_path / "cache")
+    assert native._build() is None
+    assert "the C kernels did not build" in capsys.readouterr().err

@@ -7,11 +7,11 @@ must be caught; and the numerics on a Mac (skipped elsewhere)."""
 from __future__ import annotations
 
 import re
+import tempfile
 
 import numpy as np
 import pytest
 
-from lsparse.kernels import cpu
 from lsparse.kernels.metal import KERNELS, METAL_DIR, SOURCES, render, variant_label
 from lsparse.kernels.proof import clang, syntax_check
 
@@ -74,6 +74,14 @@ def mlx_rows(bits: int, group: int, d: int, n_rows: int, seed: int = 0) -> tuple
     return np.ascontiguousarray(rows).view(np.uint32), dense
 
 
+def compaction(pre: np.ndarray, cut: float, cats: int) -> tuple[np.ndarray, np.ndarray]:
+    """(indices, count) as compact_active writes them, in numpy: the passing neurons ascending, then -1."""
+    passes = np.abs(pre / (1 + np.exp(-pre))) > cut if cats else pre > cut
+    indices = np.full(len(pre), -1, dtype=np.int32)
+    indices[: passes.sum()] = np.flatnonzero(passes)
+    return indices, np.array([passes.sum()], dtype=np.int32)
+
+
 def slot_list(n: int, n_rows: int, rng) -> np.ndarray:
     """n slots: rows in random order, every seventh -1 (padding within a list must be skipped too)."""
     slots = rng.integers(0, n_rows, n).astype(np.int32)
@@ -94,7 +102,7 @@ def emulated(name, values, n=26, d=384, sanitizer="address", source=None, seed=0
         got = emulate.run(binary, values, {"pre": pre, "threshold": np.array([0.3], np.float32)},
                           {"indices": ((count,), np.int32), "count": ((1,), np.int32)},
                           *metal.launch("compact_active", count))
-        want = cpu.compact_active(pre, 0.3, values[0])
+        want = compaction(pre, 0.3, values[0])
         return np.concatenate([got["count"], got["indices"]]), np.concatenate(want[::-1])
     bits, group = values[:2]
     n_rows = 50
@@ -285,6 +293,78 @@ def test_metal_compaction_matches_the_cpu_path(cats, n):
     from lsparse.kernels import metal
     pre = np.random.default_rng(n).standard_normal(n).astype(np.float32)
     indices, count = metal.compact_active(mx.array(pre), mx.array(np.array([0.3], np.float32)), cats)
-    want_indices, want_count = cpu.compact_active(pre, 0.3, cats)
+    want_indices, want_count = compaction(pre, 0.3, cats)
     np.testing.assert_array_equal(np.array(count), want_count)
     np.testing.assert_array_equal(np.array(indices), want_indices)
+
+
+# The runtime on Metal: one evaluation per layer at most.
+
+MODES = ("exact", "predicted", "hybrid", "dense")
+
+
+@pytest.fixture(scope="module")
+def q4_image(tmp_path_factory):
+    from lsparse.image.compile import CompileOptions, compile_image
+    image = tmp_path_factory.mktemp("metal") / "image"
+    compile_image("builtin:tinystories-reglu", str(image), CompileOptions(bits=4, predictor="svd"))
+    return image
+
+
+@pytest.fixture
+def host_reads(monkeypatch):
+    """Every value the host reads from a lazy backend, in order: (arrays read, kernels object)."""
+    from lsparse.kernels.slots import SlotKernels
+    reads, host = [], SlotKernels.host
+
+    def recorded(self, *arrays):
+        out = host(self, *arrays)
+        reads.append(out)
+        return out
+    monkeypatch.setattr(SlotKernels, "host", recorded)
+    return reads
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_lazy_backend_reads_the_host_once_per_layer_at_most(q4_image, host_reads, mode):
+    """Exact gating reads each layer's active list, a numpy predictor each layer's input; hybrid and dense
+    modes read nothing before the logits."""
+    from lsparse.runtime.load import load_image
+    model, tok = load_image(q4_image, mode=mode, kernels="reference")
+    cache = model.make_cache(16)
+    model(tok.encode("Once upon a time"), cache)
+    del host_reads[:]
+    for token in (5, 6, 7):
+        np.array(model([token], cache))
+    assert len(host_reads) == 3 * (len(model.ffns) if mode in ("exact", "predicted") else 0)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_token_on_the_metal_backend_is_one_graph_between_host_reads(q4_image, host_reads, monkeypatch, mode):
+    """The proof from the traced graph: a token runs on the real metal backend (lsparse's Metal kernels, as MLX
+    builds them) inside mx.export_function, which refuses any evaluation of a value that depends on its input,
+    here the token's embedding; the host's reads are replayed from the same token computed by the reference
+    backend. So between the host reads nothing is evaluated: no implicit conversion, no kernel answered on
+    the host. (Building the graph needs no Metal device; running it would.)"""
+    import mlx.core as mx
+
+    from lsparse.kernels import backends
+    from lsparse.kernels.slots import SlotKernels
+    from lsparse.model import llama
+    from lsparse.runtime.load import load_image
+    reference, tok = load_image(q4_image, mode=mode, kernels="reference")
+    token = tok.encode("Once")[:1]
+    want = np.array(reference(token, reference.make_cache(4)))
+    replay = list(host_reads)
+    monkeypatch.setattr(backends, "metal_available", lambda: True)
+    metal_model, _ = load_image(q4_image, mode=mode, kernels="metal")
+    assert metal_model.kernels.name == "metal"
+    monkeypatch.setattr(SlotKernels, "host", lambda self, *arrays: replay.pop(0))
+
+    def token_from(embedding):
+        monkeypatch.setattr(llama, "embed", lambda *args: embedding)
+        return metal_model(token, metal_model.make_cache(4))
+    embedding = llama.embed(reference.model.args, reference.model.globals, np.asarray(token), None, mx)
+    with tempfile.TemporaryDirectory() as tmp:
+        mx.export_function(f"{tmp}/token.mlxfn", token_from, mx.array(embedding))
+    assert replay == [] and want.shape == (1, tok.vocab_size)

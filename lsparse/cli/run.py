@@ -14,8 +14,9 @@ RUN_HELP = (
     "Generate text from a flash image (exact, predicted or dense) or, with --dense, from any checkpoint.\n\n"
     "The text streams between ========== lines, as mlx-lm prints them; then prompt and generation tokens and "
     "speeds (an end token counts, as in mlx-lm), Peak memory and, for an image, what the FFNs read from flash "
-    "per token. Peak memory is this process's peak resident memory (weights, caches, buffers and Python); "
-    "mlx-lm reports MLX's allocator peak, which leaves out memory outside MLX.")
+    "per token. Peak memory is this process's peak resident memory (weights, caches, buffers and Python), and "
+    "on a Mac MLX's peak of Metal buffers beside it; mlx-lm reports MLX's allocator peak alone, which leaves out "
+    "memory outside MLX.")
 
 
 @app.command(help=RUN_HELP)

@@ -4,7 +4,7 @@
 A store holds one component's rows (gate, up, or down columns) for a set of neurons. `empty` makes one whose
 rows are written by slot (a layer's neuron cache: `put`), answering products over slot lists; `hold` makes
 one of fixed rows (hot neurons, the exact gate, rows read for one token), answering products over all its
-rows (slots None). Values cross the interface as numpy arrays:
+rows (slots None). Values cross the interface as numpy arrays (MLX arrays for the lazy backends):
 - mv(store, slots, x): x (t, d) -> (t, len(slots)), the gate or up values of those rows;
 - gate_up(gate store, up store, slots, x, skip_cut): both at once, the same rows of two stores;
 - vm(store, slots, a): a (t, len(slots)) -> (t, d), the down projection over them;
@@ -18,9 +18,12 @@ Backends (KERNELS):
 - metal: rows kept as stored in MLX arrays; lsparse's Metal kernels (metal/) over slot lists at their length
   rounded up to 8, padded with -1 (gate and up rows in one pass), MLX's own quantized_matmul over held rows
   and for the dense gate, compact_active for exact gating's active list;
-- reference and emulated: the metal backend with each Metal kernel call answered by the numpy reference
-  (lsparse/kernels/cpu.py) or by the exact Metal source run in the CPU emulator: how the runtime's use of the
-  kernels is tested where there is no Metal.
+- reference and emulated: the metal backend with each Metal kernel call answered by MLX's own operations
+  (take, dequantize, quantized_matmul: lazy, as the Metal kernels are) or by the exact Metal source run in
+  the CPU emulator: how the runtime's use of the kernels is tested where there is no Metal.
+The metal, reference and emulated backends (lsparse/kernels/slots.py) are lazy: their products are MLX graphs
+and the model around them runs in MLX, so that a layer is evaluated only where the host must read a value
+(its mask, or a numpy predictor's input): `host`.
 """
 
 from __future__ import annotations
@@ -52,6 +55,7 @@ class CpuKernels:
     images, or no C compiler: rows decoded to fp32, products over slot lists in C (or gathered by numpy),
     over held rows by OpenBLAS."""
     name = "cpu"
+    lazy = False  # products come back computed, as numpy arrays (SlotKernels: as MLX graphs)
 
     def __init__(self, d: int, bits: int, group: int, native: bool = True):
         self.d, self.bits, self.group = d, bits, group
@@ -59,6 +63,20 @@ class CpuKernels:
         self.native = load_native() if native else None
         self.gather = "native" if self.native else "numpy"  # what multiplies over slot lists
         self.quantized = self.native is not None and bits != 16  # large stores keep rows as stored
+
+    @staticmethod
+    def host(*arrays) -> tuple[np.ndarray, ...]:
+        """Arrays the host reads (a mask, an input for a numpy predictor): already there."""
+        return arrays
+
+    @staticmethod
+    def zeros(shape: tuple[int, ...]) -> np.ndarray:
+        return np.zeros(shape, dtype=np.float32)
+
+    @staticmethod
+    def index(neurons: np.ndarray) -> np.ndarray:
+        """Neuron numbers as this backend's arrays are indexed with them."""
+        return neurons
 
     def store_row_bytes(self, count: int, held: bool) -> int:
         """The RAM one row takes in a store of `count` rows, held or a cache's (the budget plans with this)."""
@@ -152,124 +170,10 @@ class MlxKernels(CpuKernels):
         return cpu.packed_parts(rows, self.d, self.bits, self.group)
 
     def mv(self, store, slots, x):
-        return cpu.packed_mv(x, store if slots is None else store[slots], self.d, self.bits, self.group)
+        return np.array(cpu.packed_mv(x, store if slots is None else store[slots], self.d, self.bits, self.group))
 
     def vm(self, store, slots, a):
-        return cpu.packed_vm(a, store if slots is None else store[slots], self.d, self.bits, self.group)
-
-
-class SlotKernels(MlxKernels):
-    """Rows as stored, in MLX arrays; a cache store is (capacity, row words) uint32 and a slot list travels at
-    its length rounded up to 8, padded with -1. `ops` answers the Metal kernel calls: lsparse.kernels.metal
-    itself, or a stand-in with the same signatures (ReferenceOps, emulate.Ops)."""
-
-    def __init__(self, d, bits, group, ops, name: str):
-        from lsparse.kernels.metal import GROUPS, kernel_group
-        if bits != 16 and group not in GROUPS:
-            raise LsparseError(f"--kernels {name}: lsparse's Metal kernels take groups of "
-                               f"{', '.join(map(str, GROUPS))}; this image's rows have groups of {group}")
-        super().__init__(d, bits, group)
-        self.ops, self.name, self.kernel_group = ops, name, kernel_group(bits, group)
-
-    def empty(self, count, prefault=False):
-        import mlx.core as mx
-        return mx.zeros((count, self.row_bytes // 4), dtype=mx.uint32)
-
-    def put(self, store, slots, rows):
-        import mlx.core as mx
-        store[mx.array(slots.astype(np.int32))] = mx.array(np.ascontiguousarray(rows).view(np.uint32))
-
-    def hold(self, rows):
-        if self.bits == 16:
-            import mlx.core as mx
-            return mx.array(np.ascontiguousarray(rows).view(np.float16))
-        return super().hold(rows)
-
-    def mv(self, store, slots, x):
-        import mlx.core as mx
-        if slots is None:  # held rows: MLX's own kernels
-            if self.bits == 16:
-                return np.array(mx.matmul(mx.array(x.astype(np.float32)), store.T.astype(mx.float32)))
-            return super().mv(store, None, x)
-        padded = _padded(slots)
-        return np.stack([np.array(self.ops.gather_mv(store, padded, mx.array(row), self.bits,
-                                                     self.kernel_group))[: len(slots)]
-                         for row in x.astype(np.float32)])
-
-    def gate_up(self, gate_store, up_store, slots, x, skip_cut):
-        """(gate, up), each (t, len(slots)), from one pass over each row of x (gather_gate_up); `skip_cut`: up
-        is left 0 where the gate is at most this (ReLU-family gates), None: computed everywhere."""
-        import mlx.core as mx
-        if slots is None:  # held rows: MLX's own kernels, one product each
-            return super().gate_up(gate_store, up_store, None, x, skip_cut)
-        padded = _padded(slots)
-        threshold = mx.array(np.array([0.0 if skip_cut is None else skip_cut], dtype=np.float32))
-        pairs = [self.ops.gather_gate_up(gate_store, up_store, padded, mx.array(row), threshold, self.bits,
-                                         self.kernel_group, skip_cut is not None) for row in x.astype(np.float32)]
-        return tuple(np.stack([np.array(pair[k])[: len(slots)] for pair in pairs]) for k in (0, 1))
-
-    def vm(self, store, slots, a):
-        import mlx.core as mx
-        if slots is None:
-            if self.bits == 16:
-                return np.array(mx.matmul(mx.array(a.astype(np.float32)), store.astype(mx.float32)))
-            return super().vm(store, None, a)
-        padded = _padded(slots)
-        out = []
-        for row in a.astype(np.float32):
-            coefficients = np.zeros(padded.shape[0], dtype=np.float32)
-            coefficients[: len(slots)] = row
-            out.append(np.array(self.ops.gather_down(store, padded, mx.array(coefficients), self.bits,
-                                                     self.kernel_group, self.d)))
-        return np.stack(out)
-
-    def gate(self, store, x, bias, cut, cats):
-        import mlx.core as mx
-        pre = self.mv(store, None, x)
-        pre = pre if bias is None else pre + bias
-        threshold = mx.array(np.array([cut], dtype=np.float32))
-        active = []
-        for row in pre.astype(np.float32):
-            indices, count = self.ops.compact_active(mx.array(row), threshold, cats)
-            active.append(np.array(indices)[: int(np.array(count)[0])])
-        return pre, active[0] if len(active) == 1 else np.unique(np.concatenate(active))
-
-
-def _padded(slots: np.ndarray):
-    """A slot list as the kernels take it: its length rounded up to 8, padded with -1 (an MLX array)."""
-    import mlx.core as mx
-
-    from lsparse.kernels.metal import padded_length
-    padded = np.full(padded_length(len(slots)), -1, dtype=np.int32)
-    padded[: len(slots)] = slots
-    return mx.array(padded)
-
-
-class ReferenceOps:
-    """The Metal kernels' calls answered by the numpy reference, on MLX arrays."""
-
-    @staticmethod
-    def gather_mv(w, slots, x, bits, group):
-        import mlx.core as mx
-        return mx.array(cpu.gather_mv(np.array(w), np.array(slots), np.array(x), bits, group))
-
-    @staticmethod
-    def gather_gate_up(gate_w, up_w, slots, x, threshold, bits, group, skip):
-        import mlx.core as mx
-        gate, up = cpu.gather_gate_up(np.array(gate_w), np.array(up_w), np.array(slots), np.array(x),
-                                      float(np.array(threshold)[0]), bits, group, skip)
-        return mx.array(gate), mx.array(up)
-
-    @staticmethod
-    def gather_down(w, slots, a, bits, group, d):
-        import mlx.core as mx
-        return mx.array(cpu.gather_down(np.array(w), np.array(slots), np.array(a), bits, d, group))
-
-    @staticmethod
-    def compact_active(pre, threshold, cats):
-        import mlx.core as mx
-        indices, count = cpu.compact_active(np.array(pre), float(np.array(threshold)[0]), cats)
-        return mx.array(indices), mx.array(count)
+        return np.array(cpu.packed_vm(a, store if slots is None else store[slots], self.d, self.bits, self.group))
 
 
 def metal_available() -> bool:
@@ -280,6 +184,7 @@ def metal_available() -> bool:
 def select(name: str, d: int, bits: int, group: int):
     """The backend `name` (one of KERNELS) for rows of d weights at `bits`. auto: metal where MLX has a Metal
     device, cpu elsewhere; mlx on an fp16 image is cpu (decoding fp16 is a widening copy)."""
+    from lsparse.kernels.slots import ReferenceOps, SlotKernels
     if name not in KERNELS:
         raise LsparseError(f"unknown kernels {name!r} (choose from {', '.join(KERNELS)})")
     if name == "auto":

@@ -1,55 +1,17 @@
-"""The kernels' operations in numpy, on the same rows (image row format) and slot lists: the reference every
-implementation is checked against, and the CPU path. On these machines numpy's fp32 matrix-vector products
-beat MLX's CPU backend several times over (docs/BENCHMARKS.md), so the CPU path decodes the gathered rows
-and multiplies in fp32."""
+"""What the backends share outside C: the gate's rule (numpy or MLX), and products over packed 4/8-bit rows by
+MLX's own quantized_matmul (the mlx backend, and the held rows of the lazy ones)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from lsparse.image.quantize import dequantize_rows
 from lsparse.model.layers import silu
 
 
-def _rows(w: np.ndarray, slots: np.ndarray, d: int, bits: int, group: int) -> tuple[np.ndarray, np.ndarray]:
-    valid = np.flatnonzero(slots >= 0)
-    data = np.ascontiguousarray(w[slots[valid]]).view(np.uint8)
-    return valid, dequantize_rows(data.reshape(len(valid), -1), d, bits, group)
-
-
-def gather_mv(w: np.ndarray, slots: np.ndarray, x: np.ndarray, bits: int, group: int) -> np.ndarray:
-    """y[i] = row(slots[i]) . x, 0 where slots[i] is -1 (padding)."""
-    valid, rows = _rows(w, slots, x.shape[0], bits, group)
-    y = np.zeros(len(slots), dtype=np.float32)
-    y[valid] = rows @ x
-    return y
-
-
-def gather_down(w: np.ndarray, slots: np.ndarray, a: np.ndarray, bits: int, d: int, group: int) -> np.ndarray:
-    """sum_i a[i] * row(slots[i]) over the slots that are not padding."""
-    valid, rows = _rows(w, slots, d, bits, group)
-    return a[valid].astype(np.float32) @ rows
-
-
-def gather_gate_up(gate_w: np.ndarray, up_w: np.ndarray, slots: np.ndarray, x: np.ndarray, cut: float, bits: int,
-                   group: int, skip: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(gate, up) over the same slots; with `skip` (ReLU-family gates), up is 0 where gate <= cut."""
-    gate, up = gather_mv(gate_w, slots, x, bits, group), gather_mv(up_w, slots, x, bits, group)
-    return gate, np.where(gate > cut, up, 0).astype(np.float32) if skip else up
-
-
-def gate_passes(pre: np.ndarray, cut: float, cats: bool) -> np.ndarray:
+def gate_passes(pre, cut: float, cats: bool, xp=np):
     """Which neurons are active from the gate (OPT: fc1) pre-activation: pre > cut for ReLU-family gates (cut 0,
-    or FATReLU's threshold); |silu(pre)| > cut with CATS (SwiGLU images)."""
-    return np.abs(silu(pre, np)) > cut if cats else pre > cut
-
-
-def compact_active(pre: np.ndarray, cut: float, cats: bool) -> tuple[np.ndarray, np.ndarray]:
-    """(indices, count) as the compact_active kernel writes them: the active neurons ascending, then -1."""
-    active = np.flatnonzero(gate_passes(pre, cut, cats)).astype(np.int32)
-    indices = np.full(len(pre), -1, dtype=np.int32)
-    indices[: len(active)] = active
-    return indices, np.array([len(active)], dtype=np.int32)
+    or FATReLU's threshold); |silu(pre)| > cut with CATS (SwiGLU images). numpy or MLX arrays (xp)."""
+    return xp.abs(silu(pre, xp)) > cut if cats else pre > cut
 
 
 def _mlx_parts(rows: np.ndarray, d: int, bits: int, group: int):
@@ -69,17 +31,23 @@ def packed_parts(rows: np.ndarray, d: int, bits: int, group: int) -> tuple:
     return _mlx_parts(rows, d, bits, group)
 
 
-def packed_mv(x: np.ndarray, rows, d: int, bits: int, group: int) -> np.ndarray:
+def packed_mv(x, rows, d: int, bits: int, group: int):
     """x (t, d) @ rows.T for packed 4- or 8-bit rows (n, row bytes) or their packed_parts, without decoding
-    them: (t, n)."""
+    them: (t, n), an MLX array (not yet evaluated). x: numpy or MLX."""
     import mlx.core as mx
     q, s, b = rows if isinstance(rows, tuple) else _mlx_parts(rows, d, bits, group)
-    return np.array(mx.quantized_matmul(mx.array(x), q, s, b, transpose=True, group_size=group, bits=bits))
+    return mx.quantized_matmul(as_mlx(x), q, s, b, transpose=True, group_size=group, bits=bits)
 
 
-def packed_vm(a: np.ndarray, rows, d: int, bits: int, group: int) -> np.ndarray:
-    """a (t, n) @ rows for packed rows (n, row bytes) or their packed_parts, each a down column: (t, d)."""
+def packed_vm(a, rows, d: int, bits: int, group: int):
+    """a (t, n) @ rows for packed rows (n, row bytes) or their packed_parts, each a down column: (t, d), an
+    MLX array (not yet evaluated)."""
     import mlx.core as mx
     q, s, b = rows if isinstance(rows, tuple) else _mlx_parts(rows, d, bits, group)
-    return np.array(mx.quantized_matmul(mx.array(a.astype(np.float32)), q, s, b, transpose=False,
-                                        group_size=group, bits=bits))
+    return mx.quantized_matmul(as_mlx(a), q, s, b, transpose=False, group_size=group, bits=bits)
+
+
+def as_mlx(x):
+    """x as an MLX float32 array; an MLX array stays in its graph (no evaluation)."""
+    import mlx.core as mx
+    return x.astype(mx.float32) if isinstance(x, mx.array) else mx.array(np.asarray(x, dtype=np.float32))

@@ -12,6 +12,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,7 +23,10 @@ NATIVE = Path(__file__).parent / "native"
 SOURCES = (NATIVE / "gather.c", NATIVE / "q.c", NATIVE / "read.c", NATIVE / "sums.c")
 # -ffast-math lets the compiler reorder the float sums, which vectorizing them needs; OpenMP splits the large
 # products over the cores (built without it where the compiler has none: one core)
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-shared", "-fPIC")
+FLAGS = ("-O3", "-ffast-math", "-shared", "-fPIC")
+# Tuned for this CPU: -march=native where the compiler takes it; Apple's older clang refuses it on arm64 and
+# takes -mcpu=native; else the compiler's default target
+ARCH_FLAGS = (("-march=native",), ("-mcpu=native",), ())
 OPENMP = ("-fopenmp",)
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "lsparse" / "native"
 
@@ -56,12 +60,15 @@ def read_shared():
     return fn
 
 
-def target(cc: str) -> bytes:
-    """What -march=native means on this CPU: the compiler's predefined macros under FLAGS (__AVX2__, ...). A
-    library built for one CPU must not load on another that lacks its instructions (SIGILL), even when the
-    two share a home directory."""
-    done = subprocess.run([cc, *FLAGS[:-2], "-E", "-dM", "-x", "c", os.devnull], capture_output=True)
-    return done.stdout if done.returncode == 0 else platform.machine().encode()
+def target(cc: str) -> tuple[tuple[str, ...], bytes]:
+    """(the first ARCH_FLAGS the compiler takes, what they mean on this CPU: its predefined macros under them,
+    __AVX2__ and so on). A library built for one CPU must not load on another that lacks its instructions
+    (SIGILL), even when the two share a home directory."""
+    for arch in ARCH_FLAGS:
+        done = subprocess.run([cc, "-O3", *arch, "-E", "-dM", "-x", "c", os.devnull], capture_output=True)
+        if done.returncode == 0:
+            return arch, done.stdout
+    return (), platform.machine().encode()
 
 
 def private(path: Path) -> bool:
@@ -94,7 +101,9 @@ def _build():
     if cc is None or os.environ.get("LSPARSE_NO_NATIVE"):
         return None
     sources = b"".join(f.read_bytes() for f in (*SOURCES, NATIVE / "half.h"))
-    key = hashlib.sha256(sources + " ".join((cc, *FLAGS, *OPENMP)).encode() + target(cc)).hexdigest()
+    arch, macros = target(cc)
+    flags = (*FLAGS, *arch)
+    key = hashlib.sha256(sources + " ".join((cc, *flags, *OPENMP)).encode() + macros).hexdigest()
     try:
         CACHE.mkdir(mode=0o700, parents=True, exist_ok=True)
         folder = CACHE if private(CACHE) else Path(tempfile.mkdtemp(prefix="lsparse-native-"))
@@ -103,11 +112,14 @@ def _build():
             with tempfile.TemporaryDirectory(dir=folder) as tmp:  # built aside, renamed: processes may race here
                 out = Path(tmp) / path.name
                 for extra in (OPENMP, ()):
-                    done = subprocess.run([cc, *FLAGS, *extra, *map(str, SOURCES), "-o", str(out)],
+                    done = subprocess.run([cc, *flags, *extra, *map(str, SOURCES), "-o", str(out)],
                                           capture_output=True, text=True)
                     if done.returncode == 0:
                         break
-                else:
+                else:  # said once, not silently: numpy computing instead is several times slower
+                    first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip())
+                    print(f"lsparse: the C kernels did not build ({cc}: {first[:200]}); numpy computes instead",
+                          file=sys.stderr)
                     return None
                 os.chmod(out, 0o700)
                 os.replace(out, path)

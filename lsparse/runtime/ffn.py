@@ -37,12 +37,14 @@ class Activation:
             return None
         return float(self.args.relu_threshold)
 
-    def __call__(self, pre: np.ndarray, up: np.ndarray | None) -> np.ndarray:
+    def __call__(self, pre, up):
+        """pre and up (t, n), numpy or MLX arrays (computed in the same library)."""
+        xp = np if isinstance(pre, np.ndarray) else _mlx()
         if not self.gated:  # OPT: relu(fc1 x + b)
-            return relu(pre, np)
-        a = gate_activation(self.args, pre, up, np)
+            return relu(pre, xp)
+        a = gate_activation(self.args, pre, up, xp)
         if self.cats and self.apply_cut:
-            return a * (gate_passes(pre, self.cut, True) if self.threshold_on == "gate" else np.abs(a) > self.cut)
+            return a * (gate_passes(pre, self.cut, True, xp) if self.threshold_on == "gate" else xp.abs(a) > self.cut)
         return a
 
 
@@ -61,14 +63,15 @@ class NeuronProducts:
         block = self.kernels.prepare(bundles, len(components))  # (n, len(components), row) as the backend keeps
         return {c: self.kernels.hold(block[:, k]) for k, c in enumerate(components)}
 
-    def partial(self, x: np.ndarray, neurons: np.ndarray, stores: dict, slots, pre_all=None) -> np.ndarray:
+    def partial(self, x, neurons: np.ndarray, stores: dict, slots, pre_all=None):
         """x (t, d_model) -> (t, d_model): the output of these neurons, whose rows are in `stores` at `slots`
-        (None: all of a held store); `pre_all` (t, d_ff): the gate already computed for every neuron."""
+        (None: all of a held store); `pre_all` (t, d_ff): the gate already computed for every neuron. Arrays
+        as the backend computes them: numpy, or MLX graphs for a lazy backend."""
         if len(neurons) == 0:
-            return np.zeros((x.shape[0], self.d_model), dtype=np.float32)
+            return self.kernels.zeros((x.shape[0], self.d_model))
         up = None
         if pre_all is not None:
-            pre = pre_all[:, neurons]
+            pre = pre_all[:, self.kernels.index(neurons)]
             up = self.kernels.mv(stores["up"], slots, x) if self.gated else None
         elif self.gated:
             pre, up = self.kernels.gate_up(stores["gate"], stores["up"], slots, x, self.activation.zero_at_or_below)
@@ -80,6 +83,11 @@ class NeuronProducts:
 
     def finish(self, out: np.ndarray) -> np.ndarray:
         return out if self.down_bias is None else out + self.down_bias
+
+
+def _mlx():
+    import mlx.core as mx
+    return mx
 
 
 def _float(a) -> np.ndarray | None:

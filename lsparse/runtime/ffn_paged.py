@@ -34,11 +34,13 @@ class PagedFFN:
     def __call__(self, args, w, x, xp):
         cost = self.costs.now
         with timed(cost, "compute_s"):
-            active, pre = self.predictor.predict(x)  # (n_active,) ascending; the gate's values or None
+            # A numpy predictor reads x on the host: with a lazy backend the layer's one evaluation
+            x_predicted = x if self.predictor.takes_graph else self.products.kernels.host(x)[0]
+            active, pre = self.predictor.predict(x_predicted)  # (n_active,) ascending; the gate's values or None
             cost.missed += getattr(self.predictor, "missed", 0)
             needed = active[self.is_cold[active]]
             if self.next is not None:
-                self.next.read_ahead(x)
+                self.next.read_ahead(x if self.next.predictor.takes_graph else x_predicted)
         start = time.perf_counter()
         missing = self.cache.lookup(needed)
         cost.lookups, cost.hits = cost.lookups + len(needed), cost.hits + len(needed) - len(missing)

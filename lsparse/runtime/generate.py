@@ -25,7 +25,7 @@ class GenerationResponse:
     prompt_tps: float
     generation_tokens: int
     generation_tps: float
-    peak_memory: int           # bytes: this process's peak resident memory so far
+    peak_memory: int           # bytes: this process's peak resident memory so far (peak_memory_bytes)
     finish_reason: str | None  # "stop" (an end token), "length" (max_tokens), "context" (the context is full)
 
 
@@ -41,6 +41,13 @@ def peak_rss_bytes() -> int:
         pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # macOS reports bytes, Linux KiB
+
+
+def peak_memory_bytes() -> int:
+    """The process's peak resident memory, and on a Mac MLX's peak of Metal buffers beside it: GPU buffers
+    that the CPU never touches need not show in the process's resident pages."""
+    import mlx.core as mx
+    return peak_rss_bytes() + (mx.get_peak_memory() if mx.metal.is_available() else 0)
 
 
 def storage_read_bytes() -> int | None:
@@ -93,7 +100,7 @@ def stream_generate(model, tokenizer, prompt: list[int], max_tokens: int, sample
         if reason is not None and not stop and detokenizer is not None:
             text += detokenizer.flush()
         yield GenerationResponse(text, token, logprobs, costs.now if costs else None, len(prompt), prompt_tps, n,
-                                 n / (time.perf_counter() - start), peak_rss_bytes(), reason)
+                                 n / (time.perf_counter() - start), peak_memory_bytes(), reason)
         if reason is not None:
             return
         logits = model([token], cache)[-1]

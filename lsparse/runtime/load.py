@@ -46,7 +46,7 @@ class ImageModel:
             if self.trace is not None:
                 self.trace.step()
             out.append(self.model([t], cache, self.ffns))
-        return np.concatenate(out)
+        return self.xp.concatenate(out)
 
     def dense_ffn_bytes(self) -> int:
         return self.image.manifest.dense_ffn_bytes()
@@ -74,15 +74,22 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
     if getattr(backend, "quantized", False):  # the C kernels' threads share the cores: OpenBLAS gets one
         from lsparse.kernels.native import limit_blas_threads
         limit_blas_threads(1)
+    if backend.lazy and options.ram_budget is not None:
+        # MLX keeps freed buffers for reuse unless told: within the budget, no more than one layer's reads
+        mlx_core().set_cache_limit(memory.working_set)
     trace = _trace(image, options)
     fetcher, gap = _fetcher(image, options, memory)
     arch, args = architecture(m.config)
     costs = CostLog()
     layers, ffns = [], []
 
+    # A lazy backend's products are MLX graphs: the model around them runs in MLX too, its weights MLX arrays
+    xp = mlx_core() if backend.lazy else np
+
     def held(tensors: dict, leave_out=()) -> dict:  # resident tensors as the model code multiplies them
-        return resident_weights(tensors, arch.MATRICES, m.resident_bits, m.resident_group_size, backend.name,
-                                leave_out)
+        weights = resident_weights(tensors, arch.MATRICES, m.resident_bits, m.resident_group_size, backend.name,
+                                   leave_out)
+        return {k: xp.array(v) if isinstance(v, np.ndarray) else v for k, v in weights.items()}
     for layer in m.layers:  # matrices the plan leaves in the image file are mapped from it
         mapped = arch.MATRICES if memory.mapped and layer.index >= memory.held_attention_layers else ()
         resident = image.layer_tensors(layer.index, mapped)
@@ -92,10 +99,15 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
         for this, nxt in zip(ffns, ffns[1:], strict=False):
             this.next = nxt
     globals_ = held(image.resident("globals", ("embed",) * bool(memory.mapped) + ("lm_head",) * memory.head_mapped))
-    model = Model(arch, args, globals_, layers, np)
+    model = Model(arch, args, globals_, layers, xp)
     read_ahead_in_turn([[w[k] for k in arch.MATRICES if k in w] for w in layers] +
                        [[globals_.get("lm_head", globals_["embed"])]])
     return ImageModel(image, model, ffns, costs, memory, fetcher, backend, gap, trace), image.tokenizer()
+
+
+def mlx_core():
+    import mlx.core as mx
+    return mx
 
 
 def plan_image(image: Image, options: DecodeOptions) -> tuple[object, MemoryPlan]:

@@ -18,6 +18,8 @@ PREDICTOR_TENSORS = ("A", "B", "bias", "W1", "W2", "b2")
 
 
 class ExactGate:
+    takes_graph = True  # x as the backend computes it (the gate is a product of the backend's)
+
     def __init__(self, kernels, rows, up_bias, activation):
         self.kernels, self.rows, self.up_bias = kernels, rows, up_bias  # rows: the gate, held, (d_ff, row)
         self.cut, self.cats = activation.cut, activation.cats
@@ -31,6 +33,8 @@ class ExactGate:
 
 
 class Scored:
+    takes_graph = False  # numpy: x read by the host
+
     def __init__(self, kind: str, tensors: dict, threshold: float):
         self.kind, self.tensors, self.threshold = kind, tensors, threshold
 
@@ -45,6 +49,7 @@ class Replayed:
     """A synthetic image's masks: the true ones (an oracle), or, where the image simulates a predictor, the
     trained predictor's recorded ones, after a predictor of the real shape has run (its cost is real, its
     output not used). `missed`: the true active neurons the last prediction left out."""
+    takes_graph = False
 
     def __init__(self, trace, index: int, tensors: dict | None):
         self.trace, self.index, self.tensors = trace, index, tensors

@@ -34,9 +34,10 @@ class StoredMatrix:
         return _Transposed(self)
 
     def __getitem__(self, index) -> np.ndarray:
-        """Rows decoded to float32 (an embedding lookup)."""
+        """Rows decoded to float32 (an embedding lookup); index: token numbers, numpy or MLX."""
+        index = np.asarray(index)
         return dequantize_rows(np.atleast_2d(self.rows[index]), self.width, self.bits, self.group).reshape(
-            *np.shape(index), self.width)
+            *index.shape, self.width)
 
 
 class _Transposed:
@@ -50,7 +51,7 @@ class _Transposed:
         m = self.matrix
         for mapping in m.read_ahead:  # the OS reads them while this product and the ones after it run
             mapping.madvise(mmap.MADV_WILLNEED)
-        y = m.kernel.mv(m.store, None, np.asarray(x, dtype=np.float32))
+        y = m.kernel.mv(m.store, None, x if m.kernel.lazy else np.asarray(x, dtype=np.float32))
         if m.mapping is not None:
             m.mapping.madvise(mmap.MADV_DONTNEED)
         return y
