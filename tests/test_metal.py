@@ -368,3 +368,56 @@ def test_a_token_on_the_metal_backend_is_one_graph_between_host_reads(q4_image, 
     with tempfile.TemporaryDirectory() as tmp:
         mx.export_function(f"{tmp}/token.mlxfn", token_from, mx.array(embedding))
     assert replay == [] and want.shape == (1, tok.vocab_size)
+
+
+def test_the_performance_model_counts_the_bytes_and_launches_of_a_7b_layer():
+    """`lsparse bench kernels --model`, through the console script: labelled predicted; at 7B, 10% active, 4-bit
+    groups of 64 a row is 2048 bytes of codes and 256 of scales and biases; the dense FFN reads all three
+    matrices; the split-K down product keeps more threadgroups busy than a base chip has GPU cores."""
+    import json
+
+    from tests.conftest import lsparse
+    result = json.loads(lsparse("bench", "kernels", "--model", "--json").stdout)
+    assert result["predicted"] is True
+    row = next(r for r in result["rows"] if r["geometry"] == "7b" and r["share"] == 0.10)
+    kernels = {k["kernel"]: k for k in row["kernels"]}
+    n = 1104  # 1101 active neurons, sent as a list of a multiple of 8
+    assert kernels["gather_gate_up"]["memory_bytes"] == 2 * n * 2304 + 3 * 4 * n
+    assert kernels["mlx dense FFN (3 x quantized_matmul)"]["memory_bytes"] >= 3 * 11008 * 2304
+    cores = max(c for _, c in result["chips"].values() if c < 16)  # the base chips' GPU cores
+    assert kernels["gather_down"]["threadgroups"] >= cores and kernels["gather_gate_up"]["threadgroups"] >= cores
+    dense = next(t for t in row["layer"] if t["path"] == "dense FFN (MLX)")
+    assert dense["floor_us"]["M1"] == pytest.approx(dense["memory_bytes"] / 68.25e3)
+
+
+def test_the_performance_model_needs_the_kernels_bench():
+    from tests.conftest import lsparse
+    done = lsparse("bench", "out/none", "--model")
+    assert done.returncode != 0 and "--model goes with" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_empty_slot_list_is_answered_without_a_dispatch():
+    """0 active neurons: zeros of the right shapes from every stand-in, and from the metal functions themselves
+    (which MLX would refuse to dispatch over an empty grid)."""
+    import mlx.core as mx
+
+    from lsparse.kernels import emulate, metal
+    from lsparse.kernels.slots import ReferenceOps
+    w, slots = mx.zeros((4, 40), dtype=mx.uint32), mx.zeros((0,), dtype=mx.int32)
+    x, a, t = mx.ones((64,)), mx.zeros((0,)), mx.array([0.0])
+    for ops in (metal, ReferenceOps, emulate.Ops()):
+        assert ops.gather_mv(w, slots, x, 4, 64).shape == (0,)
+        assert [v.shape for v in ops.gather_gate_up(w, w, slots, x, t, 4, 64, True)] == [(0,), (0,)]
+        out = ops.gather_down(w, slots, a, 4, 64, 64)
+        assert out.shape == (64,) and not np.array(out).any()
+
+
+@pytest.mark.skipif(metal_available(), reason="on a Mac, mac-check runs instead of refusing")
+def test_mac_check_elsewhere_says_what_it_would_run_and_fails():
+    import subprocess
+    import sys
+    done = subprocess.run([sys.executable, "scripts/mac_check.py"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    for step in ("make test-metal", "bench kernels --json", "bench kernels --model --json", "--kernels metal",
+                 "synthetic:llama-2-7b", "report.json"):
+        assert step in done.stdout, step

@@ -109,3 +109,45 @@ def test_fetched_bundles_are_the_files_bytes_through_a_small_buffer(data_file, b
     np.testing.assert_array_equal(got.rows, want)
     assert got.transferred >= 120 * 2000 and len(fetcher.reader.buffer) == 5 * ALIGN
     fetcher.close()
+
+
+
+def resident_pages(path) -> int:
+    """Pages of a file in the page cache, by mincore(2) over a mapping of it (Linux)."""
+    import ctypes
+    import mmap
+    import os
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+        assert libc.mincore(address, size, vec) == 0
+        libc.munmap(address, size)
+        return sum(v & 1 for v in vec)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "posix_fadvise"), reason="Linux: posix_fadvise and mincore")
+def test_a_file_just_written_is_read_from_the_device_after_its_pages_are_dropped(tmp_path):
+    """The device is measured on files just written (an image after compile): their pages are in RAM until
+    dropped. On macOS the same call drops them with msync(MS_INVALIDATE), whose call is exercised here."""
+    import os
+
+    from lsparse.runtime.device import _msync_invalidate, drop_cached_pages
+    path = tmp_path / "file"
+    path.write_bytes(os.urandom(8 << 20))
+    assert resident_pages(path) > 1000
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert _msync_invalidate(fd, 8 << 20) == "msync(MS_INVALIDATE)"
+        assert drop_cached_pages(fd, 8 << 20) == "posix_fadvise(DONTNEED)"
+    finally:
+        os.close(fd)
+    assert resident_pages(path) == 0

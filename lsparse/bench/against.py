@@ -22,6 +22,7 @@ from pathlib import Path
 
 from lsparse.bench.peer import LLAMA_CHILD, PROMPT, llama_cpp_params_supported, write_gguf
 from lsparse.errors import LsparseError
+from lsparse.runtime.device import drop_cached_pages
 
 BOUND = 0.9  # a run is bound by its cap when its cgroup peak reached this share of it
 
@@ -42,8 +43,7 @@ def drop_cache(paths) -> None:
     for path in paths:
         fd = os.open(path, os.O_RDONLY)
         try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            drop_cached_pages(fd, os.fstat(fd).st_size)
         finally:
             os.close(fd)
 

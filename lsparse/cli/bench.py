@@ -7,6 +7,7 @@ from typing import Optional
 import typer
 
 from lsparse.cli.app import app, numbers, show
+from lsparse.errors import LsparseError
 from lsparse.runtime.options import DEFAULT_READERS
 
 
@@ -36,9 +37,12 @@ def bench(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
     csv: Optional[str] = typer.Option(None, "--csv", help="Also write the rows as CSV here."),
     plot: Optional[str] = typer.Option(None, "--plot", help="Also write a PNG of latency against RAM here."),
+    model: bool = typer.Option(False, "--model", help="kernels: the Metal kernels' PREDICTED cost on Apple chips "
+                               "(bytes, threadgroups, time floors at each chip's bandwidth), nothing timed."),
 ):
     """LLM in a Flash's ladder: naive, hybrid, +predictor, +window, +bundles, +hot, +4-bit, exact, dense.
-    `lsparse bench kernels`: the sparse FFN step against dense, from 5% to 100% active."""
+    `lsparse bench kernels`: the sparse FFN step against dense, from 5% to 100% active; with --model, the
+    Metal kernels' predicted cost on Apple chips."""
     from pathlib import Path
 
     from rich.console import Console
@@ -46,14 +50,10 @@ def bench(
     if against is not None:
         return _against(image, against, numbers(budgets, "--budgets"), tokens, rounds, llama_python, layers,
                         variants, as_json, csv, plot, err)
+    if model and image != "kernels":
+        raise LsparseError("--model goes with `lsparse bench kernels`")
     if image == "kernels":
-        from lsparse.bench.kernels import bench_kernels, print_kernels
-        from lsparse.bench.memory import memory_section
-        with err.status("timing FFN steps") as status:
-            result = bench_kernels(progress=lambda m: status.update(m))
-            result["memory"] = memory_section(llama_python, Path(variants or "out/bench"),
-                                              progress=lambda m: status.update(m))
-        return show(result, as_json, print_kernels)
+        return _kernels(model, llama_python, Path(variants or "out/bench"), as_json, err)
 
     from lsparse.bench.ladder import BenchOptions
     from lsparse.bench.ladder import bench as run_ladder
@@ -69,6 +69,19 @@ def bench(
     if plot:
         plot_ladder(result, plot)
     show(result, as_json, print_ladder)
+
+
+def _kernels(model: bool, llama_python, folder, as_json: bool, err):
+    """`lsparse bench kernels`: timed here, or (--model) the Metal kernels' predicted cost."""
+    if model:
+        from lsparse.bench.metal_model import predict, print_model
+        return show(predict(), as_json, print_model)
+    from lsparse.bench.kernels import bench_kernels, print_kernels
+    from lsparse.bench.memory import memory_section
+    with err.status("timing FFN steps") as status:
+        result = bench_kernels(progress=lambda m: status.update(m))
+        result["memory"] = memory_section(llama_python, folder, progress=lambda m: status.update(m))
+    return show(result, as_json, print_kernels)
 
 
 def _against(image, peer, budgets, tokens, rounds, llama_python, layers, variants, as_json, csv, plot, err):
