@@ -73,7 +73,7 @@ def _run_rungs(rungs: list[Rung], images: dict, prompts, windows, options: Bench
     results, quality_done = {}, {}
     for rung in rungs:
         progress(f"rung {rung.name}")
-        key = (rung.variant, "dense" if rung.mode in ("naive", "dense") else rung.mode)
+        key = (rung.variant, "dense" if rung.mode in ("naive", "dense") else rung.mode, rung.correct_every)
         spec = {"rung": asdict(rung), "image": str(images[rung.variant]), "prompts": prompts,
                 "gen_tokens": options.gen_tokens, "workers": options.workers, "context": context,
                 "quality": {} if key in quality_done else windows}
@@ -145,7 +145,7 @@ def bench(image, options: BenchOptions, progress=print) -> dict:
             for r in rungs]
     full = next((r for r in rungs if r.name == "+4-bit"), None)
     sweep = _sweep(full, images[full.variant], prompts, options, context,
-                   quality_done.get((full.variant, full.mode), {}), progress) if full and options.budgets else []
+                   quality_done.get((full.variant, full.mode, None), {}), progress) if full and options.budgets else []
     return {"image": str(image), "source": meta.source, "synthetic": asdict(meta.synthetic) if meta.synthetic else None,
             "model_bytes": opened.model_bytes(), "prompts": len(prompts),
             "prompt_tokens": options.prompt_tokens, "gen_tokens": options.gen_tokens,

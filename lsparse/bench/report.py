@@ -36,6 +36,9 @@ def summary(rung: Rung, result: dict, reference: dict | None) -> dict:
                                       "mean_read_bytes", "effective_gbps", "io_ms", "read_ms", "mem_ms", "compute_ms",
                                       "cache_hit_rate", "direct_io", "gap_bytes", "gap_rule")})
         row["bytes_per_token"] = 0.0
+    if result.get("correction"):  # the share of tokens the dense path corrected, the tokens a dense pass gave
+        row["corrected_share"] = float(np.mean([c["corrected_share"] for c in result["correction"]]))
+        row["tokens_per_dense_pass"] = float(np.mean([c["tokens_per_round"] for c in result["correction"]]))
     if reference is not None:
         same = [np.mean(np.equal(a, b)) for a, b in zip(result["tokens"], reference["tokens"], strict=True)]
         prefix = [next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(a))
@@ -88,7 +91,7 @@ CSV_COLUMNS = ("rung", "mode", "window", "bundled", "budget_bytes", "bytes_per_t
                "reads_per_token", "mean_read_bytes", "effective_gbps", "io_ms", "read_ms", "mem_ms", "compute_ms",
                "tokens_per_second", "peak_memory_bytes", "planned_ram_bytes", "model_ram_bytes", "cache_hit_rate",
                "gap_bytes",
-               "greedy_agreement", "identical_prefix_tokens")
+               "greedy_agreement", "identical_prefix_tokens", "corrected_share", "tokens_per_dense_pass")
 
 
 def write_csv(result: dict, path) -> None:

@@ -30,13 +30,15 @@ class Rung:
     budget: int | None = None     # bytes; None: unlimited
     lookahead: bool = False
     kernels: str = "auto"         # the FFN backend (lsparse/kernels/backends.py); mlx: cache kept 4-bit
+    correct_every: int | None = None  # the dense path checks the drafts every k tokens (runtime/correct.py)
     note: str = ""
 
     def decode_options(self, readers: int, context: int) -> DecodeOptions:
         """The rung as the options `lsparse run` takes (naive computes as dense does; only its reads differ)."""
         return DecodeOptions(mode="dense" if self.mode == "naive" else self.mode, window=self.window,
                              bundled=self.bundled, gap_bytes=self.gap_bytes, ram_budget=self.budget,
-                             lookahead=self.lookahead, kernels=self.kernels, readers=readers, context=context)
+                             lookahead=self.lookahead, kernels=self.kernels, readers=readers, context=context,
+                             correct_every=self.correct_every)
 
 
 LADDER = [
@@ -52,6 +54,8 @@ LADDER = [
     Rung("+packed cache", "4bit-hot", "predicted", kernels="mlx",
          note="cached neurons kept 4-bit, multiplied by MLX's quantized kernel"),
     Rung("+lookahead", "4bit-hot", "predicted", lookahead=True, note="the next layer read while this one runs"),
+    Rung("+correction", "4bit-hot", "predicted", correct_every=4,
+         note="the dense path checks the drafts every 4 tokens (Sirius): dense's text; perplexity does not apply"),
     Rung("exact 4-bit", "4bit-hot", "exact", note="gate resident: lossless against dense 4-bit"),
     Rung("dense 4-bit", "4bit-hot", "dense", note="every weight in RAM"),
     Rung("dense fp16", "fp16-natural", "dense", note="every weight in RAM: the reference"),

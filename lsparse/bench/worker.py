@@ -17,6 +17,7 @@ from lsparse.errors import LsparseError
 def run_rung(spec: dict) -> dict:
     """One rung, in this process: greedy generation from each prompt, its costs, and (when asked) perplexity."""
     from lsparse.model.perplexity import perplexity
+    from lsparse.runtime.correct import stream_corrected
     from lsparse.runtime.generate import peak_rss_bytes, stream_generate
     from lsparse.runtime.load import load_image
     from lsparse.runtime.sampling import make_sampler
@@ -28,15 +29,22 @@ def run_rung(spec: dict) -> dict:
     result = {"tokens": [], "prompt_tps": [], "generation_tps": [], "flash": []}
     for prompt in spec["prompts"]:
         model.costs.steps.clear()
-        responses = list(stream_generate(model, tokenizer, prompt, spec["gen_tokens"], make_sampler(), set()))
+        if rung.correct_every:
+            responses = list(stream_corrected(model, tokenizer, prompt, spec["gen_tokens"], rung.correct_every,
+                                              None, set()))
+            result.setdefault("correction", []).append(model.correction.report())
+        else:
+            responses = list(stream_generate(model, tokenizer, prompt, spec["gen_tokens"], make_sampler(), set()))
         result["tokens"].append([r.token for r in responses])
         result["generation_tps"].append(responses[-1].generation_tps)
         if model.fetcher is not None:
-            result["flash"].append(model.flash_report())
+            result["flash"].append(model.flash_report(tokens=len(responses) if rung.correct_every else None))
     result["peak_memory_bytes"] = peak_rss_bytes()
     result["memory_plan"] = model.memory_plan.report()
     quality_model = model.dense if rung.mode == "naive" else model  # the same arithmetic, without the reads
-    result["perplexity"] = {name: perplexity(quality_model, w) for name, w in spec["quality"].items()}
+    # correction changes which tokens are generated, not a teacher-forced score: no perplexity of its own
+    quality = {} if rung.correct_every else spec["quality"]
+    result["perplexity"] = {name: perplexity(quality_model, w) for name, w in quality.items()}
     model.close()
     return result
 
@@ -72,9 +80,9 @@ class NaiveModel:
             out.append(self.dense.model([t], cache, self.dense.ffns))
         return np.concatenate(out)
 
-    def flash_report(self) -> dict:
+    def flash_report(self, tokens: int | None = None) -> dict:
         from lsparse.runtime.costs import flash_report
-        return {**flash_report(self.costs.steps, self.dense_ffn_bytes()), "direct_io": self.reader.direct,
+        return {**flash_report(self.costs.steps, self.dense_ffn_bytes(), tokens), "direct_io": self.reader.direct,
                 "gap_bytes": 0, "gap_rule": "whole files"}
 
     def close(self):

@@ -7,8 +7,6 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-import numpy as np
-
 
 @dataclass
 class TokenCost:
@@ -50,14 +48,16 @@ def timed(cost: TokenCost, phase: str):
         setattr(cost, phase, getattr(cost, phase) + time.perf_counter() - start)
 
 
-def flash_report(steps: list[TokenCost], dense_ffn_bytes: int) -> dict:
-    """Per decoded token, after the prompt's first step: what the FFNs read and where the time went."""
+def flash_report(steps: list[TokenCost], dense_ffn_bytes: int, tokens: int | None = None) -> dict:
+    """Per decoded token, after the prompt's first step: what the FFNs read and where the time went. A step is
+    a call of the model, one token each, unless `tokens` says how many the steps decoded (correction: a dense
+    pass checks several in one call)."""
     steps = steps[1:] or steps
     if not steps:
         return {}
 
     def mean(key):
-        return float(np.mean([getattr(s, key) for s in steps]))
+        return float(sum(getattr(s, key) for s in steps) / (tokens or len(steps)))
 
     reads = sum(s.requests for s in steps)
     lookups = sum(s.lookups for s in steps)

@@ -63,7 +63,7 @@ def storage_read_bytes() -> int | None:
     return None
 
 
-def _logprobs(logits) -> np.ndarray:
+def log_probabilities(logits) -> np.ndarray:
     z = to_numpy(logits).astype(np.float64)
     z = z - z.max()
     return z - np.log(np.exp(z).sum())
@@ -92,7 +92,7 @@ def stream_generate(model, tokenizer, prompt: list[int], max_tokens: int, sample
     prompt_tps = len(prompt) / (time.perf_counter() - start)
     start = time.perf_counter()
     for n in range(1, limit + 1):
-        logprobs = _logprobs(logits)
+        logprobs = log_probabilities(logits)
         token = sample(logprobs)
         stop = token in stop_ids
         reason = "stop" if stop else "length" if n == max_tokens else "context" if n == limit else None

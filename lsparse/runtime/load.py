@@ -27,8 +27,9 @@ class ImageModel:
     """A Model over an image's weights, with what each forward call cost in `costs`."""
 
     def __init__(self, image: Image, model: Model, ffns: list, costs: CostLog, memory: MemoryPlan,
-                 fetcher: Fetcher | None, kernels, gap: dict, trace):
+                 fetcher: Fetcher | None, kernels, gap: dict, trace, verifiers: list | None = None):
         self.image, self.model, self.ffns, self.costs, self.memory_plan = image, model, ffns, costs, memory
+        self.verifiers = verifiers  # with correction: each layer's dense path (runtime/correct.py)
         self.fetcher, self.kernels, self.gap, self.trace = fetcher, kernels, gap, trace
         self.xp, self.make_cache, self.context_length = model.xp, model.make_cache, model.context_length
         self.token_by_token = isinstance(ffns[0], PagedFFN) if ffns else False
@@ -48,13 +49,20 @@ class ImageModel:
             out.append(self.model([t], cache, self.ffns))
         return self.xp.concatenate(out)
 
+    def verify(self, tokens, cache):
+        """Logits (T, vocab) of the dense path for `tokens` in one call: every neuron, each layer's cold region
+        streamed once for all of them."""
+        self.costs.start()
+        return self.model(tokens, cache, self.verifiers)
+
     def dense_ffn_bytes(self) -> int:
         return self.image.manifest.dense_ffn_bytes()
 
-    def flash_report(self, since: int = 0) -> dict:
+    def flash_report(self, since: int = 0, tokens: int | None = None) -> dict:
         """Per decoded token of the calls from the `since`-th on (the first: a prompt): what the FFNs read and
-        where the time went (costs.flash_report), and how."""
-        return {**flash_report(self.costs.steps[since:], self.dense_ffn_bytes()),
+        where the time went (costs.flash_report), and how; `tokens`: how many those calls decoded, where it
+        is not one a call."""
+        return {**flash_report(self.costs.steps[since:], self.dense_ffn_bytes(), tokens),
                 "direct_io": self.fetcher.reader.direct,
                 "gap_bytes": self.gap["bytes"], "gap_rule": self.gap["rule"]}
 
@@ -78,10 +86,13 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
         # MLX keeps freed buffers for reuse unless told: within the budget, no more than one layer's reads
         mlx_core().set_cache_limit(memory.working_set)
     trace = _trace(image, options)
+    if options.correct_every and (trace is not None or options.ram_budget is not None):
+        raise LsparseError("--correct-every needs a real model's image and no --ram-budget (the dense pass's "
+                           "reads of whole layers are not in the memory plan)")
     fetcher, gap = _fetcher(image, options, memory)
     arch, args = architecture(m.config)
     costs = CostLog()
-    layers, ffns = [], []
+    layers, ffns, verifiers = [], [], []
 
     # A lazy backend's products are MLX graphs: the model around them runs in MLX too, its weights MLX arrays
     xp = mlx_core() if backend.lazy else np
@@ -94,7 +105,11 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
         mapped = arch.MATRICES if memory.mapped and layer.index >= memory.held_attention_layers else ()
         resident = image.layer_tensors(layer.index, mapped)
         layers.append(held(resident, leave_out=predictors.PREDICTOR_TENSORS))
-        ffns.append(_layer_ffn(image, layer, resident, options, arch, args, backend, memory, fetcher, trace, costs))
+        ffn = _layer_ffn(image, layer, resident, options, arch, args, backend, memory, fetcher, trace, costs)
+        ffns.append(ffn)
+        if options.correct_every:  # the dense model's FFN: every neuron, no CATS cut (the dense mode's rule)
+            dense = NeuronProducts(backend, arch, m.bundle.d_model, Activation.of(layer, arch, args, "dense"), resident)
+            verifiers.append(StreamedFFN(layer, dense, ffn.hot_rows, fetcher, ffn.check, ffn.rows_read, costs))
     if options.lookahead:
         for this, nxt in zip(ffns, ffns[1:], strict=False):
             this.next = nxt
@@ -102,7 +117,8 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
     model = Model(arch, args, globals_, layers, xp)
     read_ahead_in_turn([[w[k] for k in arch.MATRICES if k in w] for w in layers] +
                        [[globals_.get("lm_head", globals_["embed"])]])
-    return ImageModel(image, model, ffns, costs, memory, fetcher, backend, gap, trace), image.tokenizer()
+    return ImageModel(image, model, ffns, costs, memory, fetcher, backend, gap, trace, verifiers or None), \
+        image.tokenizer()
 
 
 def mlx_core():

@@ -26,6 +26,8 @@ class DecodeOptions:
     lookahead: bool = False         # read the next layer's guessed neurons while this one computes
     gap_bytes: int | None = None    # read through gaps below this; None: the rule measured on the device
     bundled: bool = True            # False: each row of a neuron is a read of its own (an ablation)
+    correct_every: int | None = None   # predicted mode: the dense path checks the drafts every k tokens
+    correct_margin: float | None = None  # ... and sooner where the top two logits are closer than this
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -39,6 +41,11 @@ class DecodeOptions:
             raise LsparseError(f"--threshold must be a finite number, got {self.threshold_shift}")
         if self.ram_budget is not None and self.ram_budget <= 0:
             raise LsparseError(f"--ram-budget must be positive, got {self.ram_budget} bytes")
+        if self.correct_every is not None and (self.correct_every < 1 or self.mode != "predicted"):
+            raise LsparseError("--correct-every K (at least 1) corrects predicted mode's tokens: give --mode "
+                               "predicted")
+        if self.correct_margin is not None and (self.correct_every is None or not self.correct_margin >= 0):
+            raise LsparseError("--correct-margin (at least 0) goes with --correct-every")
         if self.gap_bytes is not None and self.gap_bytes < 0:
             raise LsparseError(f"the read-through gap must be at least 0, got {self.gap_bytes}")
 

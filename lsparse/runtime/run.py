@@ -8,6 +8,7 @@ import sys
 from lsparse.errors import LsparseError
 from lsparse.image.image import Image
 from lsparse.model import architecture
+from lsparse.runtime.correct import stream_corrected
 from lsparse.runtime.generate import storage_read_bytes, stream_generate
 from lsparse.runtime.options import DecodeOptions
 
@@ -57,7 +58,11 @@ def run(spec: str, prompt: str, max_tokens: int, options: DecodeOptions | None, 
         out.write("=" * 10 + "\n")
     read_before = storage_read_bytes()
     try:
-        for response in stream_generate(model, tok, ids, max_tokens, sample):
+        if options is not None and options.correct_every:
+            responses = stream_corrected(model, tok, ids, max_tokens, options.correct_every, options.correct_margin)
+        else:
+            responses = stream_generate(model, tok, ids, max_tokens, sample)
+        for response in responses:
             text.append(response.text)
             tokens += [response.token] if response.finish_reason != "stop" else []
             last = response
@@ -79,8 +84,10 @@ def run(spec: str, prompt: str, max_tokens: int, options: DecodeOptions | None, 
     if options is not None:
         result["memory_plan"] = model.memory_plan.report()
         result["ram_budget"] = options.ram_budget
-        if options.mode != "dense":
-            result["flash"] = model.flash_report()
+        if options.mode != "dense":  # with correction a dense pass checks several tokens in one call
+            result["flash"] = model.flash_report(tokens=model.correction.emitted if options.correct_every else None)
+        if options.correct_every:
+            result["correction"] = model.correction.report()
     if as_json:
         out.write(json.dumps(result) + "\n")
     else:
