@@ -74,3 +74,25 @@ def test_sweep_runs_at_the_plans_smallest_budget_and_refuses_below_it(ladder):
     assert below, "the test's 90% of a tiny model is below the process's own RAM"
     for row in below:
         assert "the smallest that works is" in row["refused"]
+
+
+def test_the_layout_rung_reads_the_same_neurons_in_another_order(ladder):
+    """+bundles and +bundles+layout differ only in where bundles lie in the file: on the same held-out prompts
+    they need the same bytes, so their reads compare the layouts alone (the gain out of sample)."""
+    r = ladder["by_rung"]
+    assert r["+bundles"]["bytes_needed_per_token"] == r["+bundles+layout"]["bytes_needed_per_token"] > 0
+    assert r["+bundles"]["reads_per_token"] < r["+window"]["reads_per_token"]  # bundles alone batch the reads
+
+
+def test_correction_gives_the_dense_paths_text(ladder):
+    """+correction's text is dense 4-bit's, each round's drafts checked by the dense path."""
+    r = ladder["by_rung"]["+correction"]
+    assert r["greedy_agreement"] == 1.0 and 0 <= r["corrected_share"] < 1 and r["tokens_per_dense_pass"] >= 1
+    assert r["perplexity"] == {}
+
+
+def test_the_wanda_rung_holds_as_much_as_the_frequency_one(ladder):
+    """+wanda hot pins as many neurons as +4-bit, chosen by Wanda's score: the same RAM, other neurons."""
+    r = ladder["by_rung"]
+    assert r["+wanda hot"]["planned_ram_bytes"] == r["+4-bit"]["planned_ram_bytes"]
+    assert r["+wanda hot"]["bytes_needed_per_token"] != r["+4-bit"]["bytes_needed_per_token"]

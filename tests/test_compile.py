@@ -232,3 +232,35 @@ def test_predictor_training_reports_its_progress(tiny_relu_llama, tmp_path):
     n = layers[-1][1]
     assert layers == [(i + 1, n) for i in range(n)]
     assert calls == [(layer, epoch, 3) for layer in range(n) for epoch in (1, 2, 3)]
+
+
+def test_wanda_residency_pins_the_top_neurons_by_wanda_score(tmp_path):
+    """--residency wanda: each layer's hot set is the top of sum_j |W_nj| ||X_j|| over the gate and up rows,
+    with ||X_j|| the norm of the FFN's input channel j over the calibration tokens, here computed again from
+    the dense model's forward pass; frequency residency picks mostly other neurons."""
+    from lsparse.image.compile import calibration_windows
+    from lsparse.model import llama, load_model
+    source = "builtin:tinystories-reglu"
+    for residency in ("wanda", "frequency"):
+        compile_image(source, str(tmp_path / residency), CompileOptions(bits=4, predictor="svd", calib_tokens=2048,
+                                                                        residency=residency))
+    checkpoint = resolve(source)
+    model = load_model(checkpoint, "numpy")
+    windows, _ = calibration_windows(checkpoint.tokenizer, CompileOptions(calib_tokens=2048))
+    squares = [0.0] * len(model.layers)
+
+    def recording(i):
+        def ffn(args, w, x, xp):
+            squares[i] = squares[i] + (np.asarray(x, np.float64) ** 2).sum(0)
+            return llama.ffn(args, w, x, xp)
+        return ffn
+    for window in windows:
+        model(window, model.make_cache(len(window)), [recording(i) for i in range(len(model.layers))])
+    overlap = {}
+    for residency in ("wanda", "frequency"):
+        for i, layer in enumerate(Image.open(tmp_path / residency).manifest.layers):
+            norms = np.sqrt(squares[i])
+            score = np.abs(model.layers[i]["gate"]) @ norms + np.abs(model.layers[i]["up"]) @ norms
+            top = set(np.argsort(-score)[: len(layer.hot)])
+            overlap.setdefault(residency, []).append(len(top & set(layer.hot)) / len(layer.hot))
+    assert min(overlap["wanda"]) >= 0.95 and np.mean(overlap["frequency"]) < 0.5, overlap

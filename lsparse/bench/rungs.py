@@ -16,6 +16,7 @@ VARIANTS = {
     "fp16-layout": {"bits": 16, "hot_fraction": 0.0, "layout": "coactivation"},
     "fp16-hot": {"bits": 16, "layout": "coactivation"},
     "4bit-hot": {"bits": 4, "layout": "coactivation"},
+    "4bit-wanda": {"bits": 4, "layout": "coactivation", "residency": "wanda"},
 }
 
 
@@ -48,9 +49,13 @@ LADDER = [
          note="only predicted neurons read; rows read apart, no reuse"),
     Rung("+window", "fp16-natural", "predicted", window=5, bundled=False, gap_bytes=0,
          note="neurons of the last 5 tokens kept"),
-    Rung("+bundles+layout", "fp16-layout", "predicted", note="row-column bundles, co-activation order, gap rule"),
+    Rung("+bundles", "fp16-natural", "predicted", note="row-column bundles and the gap rule, in the model's order"),
+    Rung("+bundles+layout", "fp16-layout", "predicted",
+         note="bundles in co-activation order: the layout's gain on held-out text, against +bundles"),
     Rung("+hot", "fp16-hot", "predicted", note="hot neurons pinned in RAM"),
     Rung("+4-bit", "4bit-hot", "predicted", note="4-bit bundles: the full system"),
+    Rung("+wanda hot", "4bit-wanda", "predicted",
+         note="hot neurons by Wanda's |W| ||x|| instead of frequency, at the same RAM: against +4-bit"),
     Rung("+packed cache", "4bit-hot", "predicted", kernels="mlx",
          note="cached neurons kept 4-bit, multiplied by MLX's quantized kernel"),
     Rung("+lookahead", "4bit-hot", "predicted", lookahead=True, note="the next layer read while this one runs"),

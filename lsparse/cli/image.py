@@ -82,6 +82,8 @@ def compile_(
                                                                 "natural \\[coactivation]."),
     resident_bits: Optional[int] = typer.Option(None, "--resident-bits", help="Attention and embedding matrices: "
                                                 "16 (fp16), 8 or 4 (rows in groups, like the bundles) [16]."),
+    residency: Optional[str] = typer.Option(None, "--residency", help="Hot neurons by activation frequency or by "
+                                            "Wanda's score |W| ||x|| (wanda) \\[frequency]."),
     force: bool = typer.Option(False, "--force", help="Replace an existing lsparse image (never any other folder)."),
 ):
     """Calibrate a checkpoint layer by layer and write its flash image."""
@@ -92,7 +94,7 @@ def compile_(
     settings = load_preset(config) if config else {}
     given = {"calib_tokens": calib_tokens, "bits": bits, "group_size": group_size, "hot_fraction": hot_fraction,
              "predictor": predictor, "rank": rank, "recall": recall, "threshold_sparsity": threshold_sparsity,
-             "layout": layout, "threshold_on": threshold_on, "resident_bits": resident_bits}
+             "layout": layout, "threshold_on": threshold_on, "resident_bits": resident_bits, "residency": residency}
     settings.update({k: v for k, v in given.items() if v is not None})  # the command line wins over a preset
     options = CompileOptions(force=force, **settings)
     if calib:

@@ -57,13 +57,15 @@ class CompileOptions:
     predictor_epochs: int = 30
     layout: str = "coactivation"      # or "natural": cold neurons in id order (the ablation bench runs)
     resident_bits: int = 16           # attention and embedding matrices: fp16, or 4/8-bit rows in groups of group_size
+    residency: str = "frequency"      # hot neurons by activation frequency, or by Wanda's score |W| ||x|| alone
     force: bool = False
 
 
 PRESETS = files("lsparse.presets")
 PRESET_KEYS = ("calib_tokens", "bits", "group_size", "hot_fraction", "predictor", "rank", "recall",
-               "threshold_sparsity", "predictor_epochs", "layout", "threshold_on", "resident_bits")
+               "threshold_sparsity", "predictor_epochs", "layout", "threshold_on", "resident_bits", "residency")
 LAYOUTS = ("coactivation", "natural")
+RESIDENCY = ("frequency", "wanda")
 THRESHOLD_ON = ("gate", "product")
 
 
@@ -166,7 +168,7 @@ def _compile_layer(cal, arch, args, options: CompileOptions, train_n: int, write
     threshold, active, acts = _layer_mask(cal, args, options, tr)
     inputs = [w[c] for c in arch.BUNDLE if c != "down"]
     scores = neuron_scores(active[tr], acts[tr], inputs, w["down"], cal.input_norms)
-    hot = hot_set(scores["score"], options.hot_fraction)
+    hot = hot_set(scores["score" if options.residency == "frequency" else "wanda"], options.hot_fraction)
     cold = np.setdiff1d(np.arange(d_ff), hot)
     cold_order = cold[coactivation_order(active[tr][:, cold])] if options.layout == "coactivation" else cold
     rank = layer_rank(options.rank, cal.index, args.num_hidden_layers)
@@ -206,6 +208,8 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None, t
         raise LsparseError(f"unknown predictor {options.predictor!r} (choose from {', '.join(KINDS)})")
     if options.threshold_on not in THRESHOLD_ON:
         raise LsparseError(f"unknown threshold_on {options.threshold_on!r} (choose from {', '.join(THRESHOLD_ON)})")
+    if options.residency not in RESIDENCY:
+        raise LsparseError(f"unknown residency {options.residency!r} (choose from {', '.join(RESIDENCY)})")
     if options.layout not in LAYOUTS:
         raise LsparseError(f"unknown layout {options.layout!r} (choose from {', '.join(LAYOUTS)})")
     check_target(Path(out), options.force, "image")  # before the minutes of work, not only at the end
