@@ -325,12 +325,15 @@ def host_reads(monkeypatch):
     return reads
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_the_lazy_backend_reads_the_host_once_per_layer_at_most(q4_image, host_reads, mode):
+RUNS = [(mode, False) for mode in MODES] + [("exact", True), ("predicted", True)]
+
+
+@pytest.mark.parametrize("mode,lookahead", RUNS)
+def test_the_lazy_backend_reads_the_host_once_per_layer_at_most(q4_image, host_reads, mode, lookahead):
     """Exact gating reads each layer's active list, a numpy predictor each layer's input; hybrid and dense
-    modes read nothing before the logits."""
+    modes read nothing before the logits. The lookahead's guess of the next layer rides on the same read."""
     from lsparse.runtime.load import load_image
-    model, tok = load_image(q4_image, mode=mode, kernels="reference")
+    model, tok = load_image(q4_image, mode=mode, kernels="reference", lookahead=lookahead)
     cache = model.make_cache(16)
     model(tok.encode("Once upon a time"), cache)
     del host_reads[:]
@@ -339,8 +342,9 @@ def test_the_lazy_backend_reads_the_host_once_per_layer_at_most(q4_image, host_r
     assert len(host_reads) == 3 * (len(model.ffns) if mode in ("exact", "predicted") else 0)
 
 
-@pytest.mark.parametrize("mode", MODES)
-def test_a_token_on_the_metal_backend_is_one_graph_between_host_reads(q4_image, host_reads, monkeypatch, mode):
+@pytest.mark.parametrize("mode,lookahead", RUNS)
+def test_a_token_on_the_metal_backend_is_one_graph_between_host_reads(q4_image, host_reads, monkeypatch, mode,
+                                                                       lookahead):
     """The proof from the traced graph: a token runs on the real metal backend (lsparse's Metal kernels, as MLX
     builds them) inside mx.export_function, which refuses any evaluation of a value that depends on its input,
     here the token's embedding; the host's reads are replayed from the same token computed by the reference
@@ -352,12 +356,12 @@ def test_a_token_on_the_metal_backend_is_one_graph_between_host_reads(q4_image, 
     from lsparse.kernels.slots import SlotKernels
     from lsparse.model import llama
     from lsparse.runtime.load import load_image
-    reference, tok = load_image(q4_image, mode=mode, kernels="reference")
+    reference, tok = load_image(q4_image, mode=mode, kernels="reference", lookahead=lookahead)
     token = tok.encode("Once")[:1]
     want = np.array(reference(token, reference.make_cache(4)))
     replay = list(host_reads)
     monkeypatch.setattr(backends, "metal_available", lambda: True)
-    metal_model, _ = load_image(q4_image, mode=mode, kernels="metal")
+    metal_model, _ = load_image(q4_image, mode=mode, kernels="metal", lookahead=lookahead)
     assert metal_model.kernels.name == "metal"
     monkeypatch.setattr(SlotKernels, "host", lambda self, *arrays: replay.pop(0))
 

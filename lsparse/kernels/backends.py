@@ -146,6 +146,11 @@ class CpuKernels:
         pre = pre if bias is None else pre + bias
         return pre, np.flatnonzero(cpu.gate_passes(pre, cut, cats).any(0))
 
+    def gates(self, requests: list[tuple]) -> list[tuple]:
+        """gate(*request) for each request, as one read of the host where the backend is lazy (this layer's
+        gate and the lookahead's guess of the next one, from the same x)."""
+        return [self.gate(*request) for request in requests]
+
 
 class MlxKernels(CpuKernels):
     """A cache store is the rows' bytes in numpy, gathered and handed to MLX per product; a held store is

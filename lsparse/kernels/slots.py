@@ -98,14 +98,23 @@ class SlotKernels(MlxKernels):
 
     def gate(self, store, x, bias, cut, cats):
         """(pre-activations (t, n), an MLX graph; the active neurons, read by the host: one evaluation)."""
+        return self.gates([(store, x, bias, cut, cats)])[0]
+
+    def gates(self, requests):
+        """gate(*request) for each request, their active lists read by the host in one evaluation."""
         import mlx.core as mx
-        pre = self.mv(store, None, x)
-        pre = pre if bias is None else pre + mx.array(bias)
-        threshold = mx.array([cut], dtype=mx.float32)
-        lists = [self.ops.compact_active(row, threshold, cats) for row in pre]
-        read = self.host(*[array for pair in lists for array in pair])
-        active = [indices[: int(count[0])] for indices, count in zip(read[::2], read[1::2], strict=True)]
-        return pre, active[0] if len(active) == 1 else np.unique(np.concatenate(active))
+        pres, lists = [], []
+        for store, x, bias, cut, cats in requests:
+            pre = self.mv(store, None, x)
+            pres.append(pre if bias is None else pre + mx.array(bias))
+            threshold = mx.array([cut], dtype=mx.float32)
+            lists.append([self.ops.compact_active(row, threshold, cats) for row in pres[-1]])
+        read = iter(self.host(*[array for rows in lists for pair in rows for array in pair]))
+        out = []
+        for pre, rows in zip(pres, lists, strict=True):
+            active = [indices[: int(count[0])] for indices, count in ((next(read), next(read)) for _ in rows)]
+            out.append((pre, active[0] if len(active) == 1 else np.unique(np.concatenate(active))))
+        return out
 
 
 def _padded(slots: np.ndarray):

@@ -36,11 +36,15 @@ class PagedFFN:
         with timed(cost, "compute_s"):
             # A numpy predictor reads x on the host: with a lazy backend the layer's one evaluation
             x_predicted = x if self.predictor.takes_graph else self.products.kernels.host(x)[0]
-            active, pre = self.predictor.predict(x_predicted)  # (n_active,) ascending; the gate's values or None
+            nxt, guess = self.next, None
+            if nxt is not None and self.predictor.takes_graph and nxt.predictor.takes_graph:
+                (active, pre), guess = self.predictor.predict_and_guess(x, nxt.predictor)  # one read for both
+            else:
+                active, pre = self.predictor.predict(x_predicted)  # (n_active,) ascending; the gate's values or None
             cost.missed += getattr(self.predictor, "missed", 0)
             needed = active[self.is_cold[active]]
-            if self.next is not None:
-                self.next.read_ahead(x if self.next.predictor.takes_graph else x_predicted)
+            if nxt is not None:
+                nxt.read_ahead(x if nxt.predictor.takes_graph else x_predicted, guess)
         start = time.perf_counter()
         missing = self.cache.lookup(needed)
         cost.lookups, cost.hits = cost.lookups + len(needed), cost.hits + len(needed) - len(missing)
@@ -97,10 +101,11 @@ class PagedFFN:
         cost.requests += fetched.requests
         cost.read_s += fetched.seconds
 
-    def read_ahead(self, x_before: np.ndarray) -> None:
+    def read_ahead(self, x_before, guess: np.ndarray | None = None) -> None:
         """Lookahead: guess this layer's neurons from the previous layer's FFN input (the hidden state changes
-        little from layer to layer: Deja Vu) and start reading the uncached ones through the lookahead reader."""
-        guess = self.predictor.guess(x_before)
+        little from layer to layer: Deja Vu; `guess`: made already) and start reading the uncached ones through
+        the lookahead reader."""
+        guess = self.predictor.guess(x_before) if guess is None else guess
         want = guess[self.is_cold[guess]]
         want = want[self.cache.slot_of[want] < 0]
         if len(want):

@@ -31,6 +31,14 @@ class ExactGate:
     def guess(self, x_before: np.ndarray) -> np.ndarray:
         return self.predict(x_before)[0]
 
+    def predict_and_guess(self, x, following: "ExactGate") -> tuple[tuple, np.ndarray]:
+        """(predict(x), following.guess(x)) in one read of the host: the lookahead's guess of the next layer
+        comes from the same x."""
+        (pre, active), (_, guess) = self.kernels.gates([(self.rows, x, self.up_bias, self.cut, self.cats),
+                                                         (following.rows, x, following.up_bias, following.cut,
+                                                          following.cats)])
+        return (active, pre), guess
+
 
 class Scored:
     takes_graph = False  # numpy: x read by the host
