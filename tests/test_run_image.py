@@ -450,3 +450,27 @@ def _mlx_parts(rows: np.ndarray, d: int, bits: int, group: int = 64):
     scales = np.ascontiguousarray(rows[:, d * bits // 8: d * bits // 8 + 2 * (d // group)]).view(np.float16)
     biases = np.ascontiguousarray(rows[:, d * bits // 8 + 2 * (d // group):]).view(np.float16)
     return codes, scales.astype(np.float32), biases.astype(np.float32)
+
+
+def test_cache_aware_masks_trade_reads_for_the_cached_neurons(relu_image):
+    """DIP (--cache-bias): no bias is plain predicted mode, logits and all; a larger bias never needs more bytes
+    from flash per token, and a cached neuron's score is raised as an uncached one's is lowered."""
+    from lsparse.runtime.predictors import Scored
+    tokens = list(np.random.default_rng(11).integers(3, 512, 48))
+    plain, _ = load_image(relu_image, mode="predicted", window=2)
+    unbiased, _ = load_image(relu_image, mode="predicted", window=2, cache_bias=0.0)
+    np.testing.assert_array_equal(logits(plain, tokens), logits(unbiased, tokens))
+    needed = []
+    for bias in (0.0, 0.5, 2.0):
+        model, _ = load_image(relu_image, mode="predicted", window=2, cache_bias=bias)
+        logits(model, tokens)
+        needed.append(sum(s.bytes_needed for s in model.costs.steps))
+    assert needed[0] >= needed[1] >= needed[2] and needed[0] > needed[2]
+    layer = plain.ffns[0].predictor
+    scored = Scored(layer.kind, layer.tensors, layer.threshold, cache_bias=1e9)
+    x = np.random.default_rng(0).standard_normal((1, 64)).astype(np.float32)
+    cached = np.zeros(256, dtype=bool)
+    cached[:10] = True
+    assert list(scored.predict(x, cached)[0]) == list(range(10))  # only the cached pass a huge bias
+    with pytest.raises(Exception, match="cache-bias"):
+        load_image(relu_image, mode="exact", cache_bias=1.0)

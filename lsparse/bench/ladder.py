@@ -34,6 +34,7 @@ class BenchOptions:
     variants_dir: Path | None = None
     rungs: list | None = None                    # names; None: all
     budgets: tuple = (0.25, 0.5, 0.75)           # shares of the model as stored for the latency-memory sweep
+    cache_biases: tuple = ()                     # a +cache-aware rung for each (DIP's knob: bytes against quality)
     workers: int = DEFAULT_READERS
     synthetic: bool = False                      # set by bench() for synthetic images
 
@@ -63,7 +64,10 @@ def _check_rungs(options: BenchOptions, synthetic: bool) -> list[Rung]:
     if options.rungs is not None and len(rungs) != len(options.rungs):
         unknown = sorted(set(options.rungs) - {r.name for r in ladder})
         raise LsparseError(f"unknown rung(s) {', '.join(unknown)} (known here: {', '.join(r.name for r in ladder)})")
-    return rungs
+    if options.cache_biases and synthetic:
+        raise LsparseError("--cache-bias needs a real model's predictor: a synthetic image replays its masks")
+    return rungs + [Rung(f"+cache-aware {bias:g}", "4bit-hot", "predicted", cache_bias=bias,
+                         note=f"masks favour cached neurons by {bias:g} (DIP)") for bias in options.cache_biases]
 
 
 def _run_rungs(rungs: list[Rung], images: dict, prompts, windows, options: BenchOptions, context: int,
@@ -73,7 +77,8 @@ def _run_rungs(rungs: list[Rung], images: dict, prompts, windows, options: Bench
     results, quality_done = {}, {}
     for rung in rungs:
         progress(f"rung {rung.name}")
-        key = (rung.variant, "dense" if rung.mode in ("naive", "dense") else rung.mode, rung.correct_every)
+        key = (rung.variant, "dense" if rung.mode in ("naive", "dense") else rung.mode, rung.correct_every,
+               rung.cache_bias)
         spec = {"rung": asdict(rung), "image": str(images[rung.variant]), "prompts": prompts,
                 "gen_tokens": options.gen_tokens, "workers": options.workers, "context": context,
                 "quality": {} if key in quality_done else windows}
@@ -145,7 +150,8 @@ def bench(image, options: BenchOptions, progress=print) -> dict:
             for r in rungs]
     full = next((r for r in rungs if r.name == "+4-bit"), None)
     sweep = _sweep(full, images[full.variant], prompts, options, context,
-                   quality_done.get((full.variant, full.mode, None), {}), progress) if full and options.budgets else []
+                   quality_done.get((full.variant, full.mode, None, 0.0), {}), progress) if full and options.budgets \
+        else []
     return {"image": str(image), "source": meta.source, "synthetic": asdict(meta.synthetic) if meta.synthetic else None,
             "model_bytes": opened.model_bytes(), "prompts": len(prompts),
             "prompt_tokens": options.prompt_tokens, "gen_tokens": options.gen_tokens,

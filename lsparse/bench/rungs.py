@@ -32,6 +32,7 @@ class Rung:
     lookahead: bool = False
     kernels: str = "auto"         # the FFN backend (lsparse/kernels/backends.py); mlx: cache kept 4-bit
     correct_every: int | None = None  # the dense path checks the drafts every k tokens (runtime/correct.py)
+    cache_bias: float = 0.0           # cache-aware masks (DIP): runtime/predictors.py Scored
     note: str = ""
 
     def decode_options(self, readers: int, context: int) -> DecodeOptions:
@@ -39,7 +40,7 @@ class Rung:
         return DecodeOptions(mode="dense" if self.mode == "naive" else self.mode, window=self.window,
                              bundled=self.bundled, gap_bytes=self.gap_bytes, ram_budget=self.budget,
                              lookahead=self.lookahead, kernels=self.kernels, readers=readers, context=context,
-                             correct_every=self.correct_every)
+                             correct_every=self.correct_every, cache_bias=self.cache_bias)
 
 
 LADDER = [

@@ -37,6 +37,8 @@ def bench(
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of the table."),
     csv: Optional[str] = typer.Option(None, "--csv", help="Also write the rows as CSV here."),
     plot: Optional[str] = typer.Option(None, "--plot", help="Also write a PNG of latency against RAM here."),
+    cache_bias: str = typer.Option("", "--cache-bias", help="Add a +cache-aware rung (DIP: predicted mode, "
+                                   "masks favouring cached neurons) for each of these biases, e.g. 0.5,1,2."),
     model: bool = typer.Option(False, "--model", help="kernels: the Metal kernels' PREDICTED cost on Apple chips "
                                "(bytes, threadgroups, time floors at each chip's bandwidth), nothing timed."),
 ):
@@ -61,7 +63,8 @@ def bench(
     options = BenchOptions(texts=[Path(t) for t in text or []], prompts=prompts, prompt_tokens=prompt_tokens,
                            gen_tokens=gen_tokens, quality_tokens=quality_tokens, budgets=numbers(budgets, "--budgets"),
                            variants_dir=Path(variants) if variants else None,
-                           rungs=[r.strip() for r in rungs.split(",")] if rungs else None, workers=readers)
+                           rungs=[r.strip() for r in rungs.split(",")] if rungs else None, workers=readers,
+                           cache_biases=numbers(cache_bias, "--cache-bias"))
     with err.status("benchmarking") as status:
         result = run_ladder(image, options, progress=lambda m: status.update(m))
     if csv:

@@ -30,6 +30,9 @@ SHARED = {
                                            "last k tokens in RAM \\[all, until the cache is full].")),
     "threshold": (Optional[float], typer.Option(None, "--threshold", help="Images: shift of the predictor's "
                                                 "threshold (negative: load more neurons) [0].")),
+    "cache_bias": (Optional[float], typer.Option(None, "--cache-bias", min=0.0, help="Images, predicted mode: "
+                                                 "cache-aware masks (DIP): a cached neuron passes this far below the "
+                                                 "predictor's threshold, one on flash must clear it by as much [0].")),
     "temp": (float, typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")),
     "top_p": (float, typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the smallest set with this mass.")),
     "seed": (Optional[int], typer.Option(None, "--seed", help="Random seed for sampling.")),
@@ -60,6 +63,7 @@ class ModelChoice:
     mode: str | None
     window: int | None
     threshold: float | None
+    cache_bias: float | None
     temp: float
     top_p: float
     seed: int | None
@@ -78,6 +82,7 @@ class ModelChoice:
         refused."""
         from lsparse.image.image import is_image
         image_only = {"--mode": self.mode, "--window": self.window, "--threshold": self.threshold,
+                      "--cache-bias": self.cache_bias,
                       "--ram-budget": self.ram_budget, "--kernels": self.kernels, "--packed": self.packed or None,
                       "--readers": self.readers, "--buffered": self.buffered or None,
                       "--lookahead": self.lookahead or None}
@@ -101,7 +106,7 @@ class ModelChoice:
         if self.packed and (self.kernels or "auto") not in ("auto", "mlx"):
             raise LsparseError(f"--packed means --kernels mlx; it cannot go with --kernels {self.kernels}")
         given = {"mode": self.mode or ("dense" if self.dense else "exact"), "window": self.window,
-                 "threshold_shift": self.threshold, "ram_budget": budget,
+                 "threshold_shift": self.threshold, "cache_bias": self.cache_bias, "ram_budget": budget,
                  "kernels": "mlx" if self.packed else self.kernels or "auto", "readers": self.readers,
                  "direct": not self.buffered, "lookahead": self.lookahead}
         return DecodeOptions(**{k: v for k, v in given.items() if v is not None})

@@ -40,7 +40,8 @@ class PagedFFN:
             if nxt is not None and self.predictor.takes_graph and nxt.predictor.takes_graph:
                 (active, pre), guess = self.predictor.predict_and_guess(x, nxt.predictor)  # one read for both
             else:
-                active, pre = self.predictor.predict(x_predicted)  # (n_active,) ascending; the gate's values or None
+                cached = self.cache.slot_of >= 0  # a cache-aware predictor favours these (DIP)
+                active, pre = self.predictor.predict(x_predicted, cached)  # (n_active,) ascending; gate values or None
             cost.missed += getattr(self.predictor, "missed", 0)
             needed = active[self.is_cold[active]]
             if nxt is not None:

@@ -186,7 +186,7 @@ def _layer_ffn(image, layer, resident, options, arch, args, backend, memory, fet
     if options.mode == "exact":  # only exact mode holds the whole gate
         exact_rows = products.hold(resident["exact_rows"], (arch.EXACT_PROJECTION,))[arch.EXACT_PROJECTION]
     predictor = predictors.choose(image.manifest, layer, options.mode, resident, exact_rows, backend, activation,
-                                  trace, options.threshold_shift)
+                                  trace, options.threshold_shift, options.cache_bias)
     # Under a budget the caches' RAM is planned and held anyway: map it now, not while the first tokens run
     cache = NeuronCache(layer.d_ff, memory.cache_slots[layer.index], len(rows_read), options.window, backend,
                         prefault=options.ram_budget is not None)

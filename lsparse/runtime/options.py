@@ -26,6 +26,7 @@ class DecodeOptions:
     lookahead: bool = False         # read the next layer's guessed neurons while this one computes
     gap_bytes: int | None = None    # read through gaps below this; None: the rule measured on the device
     bundled: bool = True            # False: each row of a neuron is a read of its own (an ablation)
+    cache_bias: float = 0.0         # predicted mode: a cached neuron's score raised by this, an uncached one's lowered
     correct_every: int | None = None   # predicted mode: the dense path checks the drafts every k tokens
     correct_margin: float | None = None  # ... and sooner where the top two logits are closer than this
 
@@ -44,6 +45,10 @@ class DecodeOptions:
         if self.correct_every is not None and (self.correct_every < 1 or self.mode != "predicted"):
             raise LsparseError("--correct-every K (at least 1) corrects predicted mode's tokens: give --mode "
                                "predicted")
+        if not (math.isfinite(self.cache_bias) and self.cache_bias >= 0) or (self.cache_bias and
+                                                                             self.mode != "predicted"):
+            raise LsparseError(f"--cache-bias (at least 0) biases predicted mode's masks, got {self.cache_bias} in "
+                               f"{self.mode} mode")
         if self.correct_margin is not None and (self.correct_every is None or not self.correct_margin >= 0):
             raise LsparseError("--correct-margin (at least 0) goes with --correct-every")
         if self.gap_bytes is not None and self.gap_bytes < 0:

@@ -24,7 +24,7 @@ class ExactGate:
         self.kernels, self.rows, self.up_bias = kernels, rows, up_bias  # rows: the gate, held, (d_ff, row)
         self.cut, self.cats = activation.cut, activation.cats
 
-    def predict(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def predict(self, x: np.ndarray, cached=None) -> tuple[np.ndarray, np.ndarray]:
         pre, active = self.kernels.gate(self.rows, x, self.up_bias, self.cut, self.cats)
         return active, pre
 
@@ -41,13 +41,20 @@ class ExactGate:
 
 
 class Scored:
+    """With `cache_bias` (DIP's cache-aware masking), a neuron whose rows are cached passes at `cache_bias`
+    below the threshold and one that would be read must clear it by as much: near the threshold, what is
+    in RAM is used and what is on flash is left."""
     takes_graph = False  # numpy: x read by the host
 
-    def __init__(self, kind: str, tensors: dict, threshold: float):
-        self.kind, self.tensors, self.threshold = kind, tensors, threshold
+    def __init__(self, kind: str, tensors: dict, threshold: float, cache_bias: float = 0.0):
+        self.kind, self.tensors, self.threshold, self.cache_bias = kind, tensors, threshold, cache_bias
 
-    def predict(self, x: np.ndarray) -> tuple[np.ndarray, None]:
-        return np.flatnonzero((predictor_scores(self.kind, self.tensors, x) > self.threshold).any(0)), None
+    def predict(self, x: np.ndarray, cached: np.ndarray | None = None) -> tuple[np.ndarray, None]:
+        """cached: (d_ff,) whether each neuron's rows are in the cache (used with a cache bias)."""
+        scores = predictor_scores(self.kind, self.tensors, x)  # (t, d_ff)
+        if self.cache_bias and cached is not None:
+            scores = scores + np.where(cached, self.cache_bias, -self.cache_bias)
+        return np.flatnonzero((scores > self.threshold).any(0)), None
 
     def guess(self, x_before: np.ndarray) -> np.ndarray:
         return self.predict(x_before)[0]
@@ -63,7 +70,7 @@ class Replayed:
         self.trace, self.index, self.tensors = trace, index, tensors
         self.missed = 0
 
-    def predict(self, x: np.ndarray) -> tuple[np.ndarray, None]:
+    def predict(self, x: np.ndarray, cached=None) -> tuple[np.ndarray, None]:
         if self.tensors is None:
             return np.flatnonzero(self.trace.mask(self.index)), None
         predictor_scores("lowrank", self.tensors, x)
@@ -81,7 +88,7 @@ class Replayed:
 
 
 def choose(manifest: Manifest, layer: Layer, mode: str, resident: dict, exact_rows, kernels, activation,
-           trace, threshold_shift: float):
+           trace, threshold_shift: float, cache_bias: float = 0.0):
     """The predictor of one layer in this mode (exact: the resident gate; predicted: what the image carries)."""
     if mode == "exact":
         if activation.cats and layer.threshold_on != "gate":
@@ -95,4 +102,4 @@ def choose(manifest: Manifest, layer: Layer, mode: str, resident: dict, exact_ro
     tensors = {k: np.ascontiguousarray(resident[k], dtype=np.float32) for k in PREDICTOR_TENSORS if k in resident}
     if manifest.predictor == "trace":
         return Replayed(trace, layer.index, tensors if layer.predictor_rank and trace.predicted is not None else None)
-    return Scored(manifest.predictor, tensors, layer.predictor_threshold + threshold_shift)
+    return Scored(manifest.predictor, tensors, layer.predictor_threshold + threshold_shift, cache_bias)
