@@ -9,6 +9,7 @@ import numpy as np
 
 from lsparse.image.manifest import Layer
 from lsparse.kernels.cpu import gate_passes
+from lsparse.model.backend import array_module
 from lsparse.model.layers import relu
 from lsparse.model.llama import ACTIVATIONS, gate_activation
 
@@ -39,7 +40,7 @@ class Activation:
 
     def __call__(self, pre, up):
         """pre and up (t, n), numpy or MLX arrays (computed in the same library)."""
-        xp = np if isinstance(pre, np.ndarray) else _mlx()
+        xp = np if isinstance(pre, np.ndarray) else array_module("mlx")
         if not self.gated:  # OPT: relu(fc1 x + b)
             return relu(pre, xp)
         a = gate_activation(self.args, pre, up, xp)
@@ -83,11 +84,6 @@ class NeuronProducts:
 
     def finish(self, out: np.ndarray) -> np.ndarray:
         return out if self.down_bias is None else out + self.down_bias
-
-
-def _mlx():
-    import mlx.core as mx
-    return mx
 
 
 def _float(a) -> np.ndarray | None:

@@ -9,6 +9,7 @@ from lsparse.errors import LsparseError
 from lsparse.image.image import Image
 from lsparse.kernels import backends
 from lsparse.model import Model, architecture
+from lsparse.model.backend import array_module
 from lsparse.runtime import predictors
 from lsparse.runtime.cache import NeuronCache
 from lsparse.runtime.costs import CostLog, flash_report
@@ -84,7 +85,7 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
         limit_blas_threads(1)
     if backend.lazy and options.ram_budget is not None:
         # MLX keeps freed buffers for reuse unless told: within the budget, no more than one layer's reads
-        mlx_core().set_cache_limit(memory.working_set)
+        array_module("mlx").set_cache_limit(memory.working_set)
     trace = _trace(image, options)
     if options.correct_every and (trace is not None or options.ram_budget is not None):
         raise LsparseError("--correct-every needs a real model's image and no --ram-budget (the dense pass's "
@@ -95,7 +96,7 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
     layers, ffns, verifiers = [], [], []
 
     # A lazy backend's products are MLX graphs: the model around them runs in MLX too, its weights MLX arrays
-    xp = mlx_core() if backend.lazy else np
+    xp = array_module("mlx") if backend.lazy else np
 
     def held(tensors: dict, leave_out=()) -> dict:  # resident tensors as the model code multiplies them
         weights = resident_weights(tensors, arch.MATRICES, m.resident_bits, m.resident_group_size, backend.name,
@@ -119,11 +120,6 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
                        [[globals_.get("lm_head", globals_["embed"])]])
     return ImageModel(image, model, ffns, costs, memory, fetcher, backend, gap, trace, verifiers or None), \
         image.tokenizer()
-
-
-def mlx_core():
-    import mlx.core as mx
-    return mx
 
 
 def plan_image(image: Image, options: DecodeOptions) -> tuple[object, MemoryPlan]:
