@@ -19,7 +19,7 @@ from lsparse.kernels.cpu import as_mlx, gate_passes
 class SlotKernels(MlxKernels):
     """A cache store is (capacity, row words) uint32 and a slot list travels at its length rounded up to 8,
     padded with -1. `ops` answers the Metal kernel calls: lsparse.kernels.metal itself, or a stand-in with the
-    same signatures (ReferenceOps, emulate.Ops). `evaluations` counts the host's reads."""
+    same signatures (ReferenceOps, emulate.Ops)."""
     lazy = True
 
     def __init__(self, d, bits, group, ops, name: str):
@@ -29,12 +29,10 @@ class SlotKernels(MlxKernels):
                                f"{', '.join(map(str, GROUPS))}; this image's rows have groups of {group}")
         super().__init__(d, bits, group)
         self.ops, self.name, self.kernel_group = ops, name, kernel_group(bits, group)
-        self.evaluations = 0
 
     def host(self, *arrays) -> tuple[np.ndarray, ...]:
         """The arrays computed (one evaluation for all of them) and read as numpy."""
         import mlx.core as mx
-        self.evaluations += 1
         mx.eval(*[a for a in arrays if isinstance(a, mx.array)])
         return tuple(np.array(a) for a in arrays)
 

@@ -40,7 +40,8 @@ class PagedFFN:
             if nxt is not None and self.predictor.takes_graph and nxt.predictor.takes_graph:
                 (active, pre), guess = self.predictor.predict_and_guess(x, nxt.predictor)  # one read for both
             else:
-                cached = self.cache.slot_of >= 0  # a cache-aware predictor favours these (DIP)
+                # a cache-aware predictor (DIP) favours the cached neurons
+                cached = self.cache.slot_of >= 0 if getattr(self.predictor, "cache_bias", 0) else None
                 active, pre = self.predictor.predict(x_predicted, cached)  # (n_active,) ascending; gate values or None
             cost.missed += getattr(self.predictor, "missed", 0)
             needed = active[self.is_cold[active]]
