@@ -23,20 +23,16 @@ class Activation:
     cats: bool          # a SwiGLU image cut by magnitude
     threshold_on: str   # "gate" (CATS) or "product" (|silu(gate) x up|)
     apply_cut: bool     # False in dense mode: the model as compiled, every neuron kept
+    # a gated ReLU-family activation is 0 wherever the gate is at most this (ReLU: 0, FATReLU: its threshold),
+    # whatever up is, so a kernel may skip those up rows; None for SiLU gates and OPT
+    zero_at_or_below: float | None
 
     @classmethod
     def of(cls, layer: Layer, arch, args, mode: str) -> "Activation":
-        cats = layer.threshold > 0
-        return cls(args, "gate" in arch.BUNDLE, layer.threshold if cats else getattr(args, "relu_threshold", 0.0),
-                   cats, layer.threshold_on, mode != "dense")
-
-    @property
-    def zero_at_or_below(self) -> float | None:
-        """A gated ReLU-family activation is 0 wherever the gate is at most this (ReLU: 0, FATReLU: its
-        threshold), whatever up is: a kernel may skip those up rows. None for SiLU gates."""
-        if not self.gated or ACTIVATIONS[self.args.hidden_act][0] == "silu":
-            return None
-        return float(self.args.relu_threshold)
+        cats, gated = layer.threshold > 0, "gate" in arch.BUNDLE
+        relu_gate = gated and ACTIVATIONS[args.hidden_act][0] != "silu"
+        return cls(args, gated, layer.threshold if cats else getattr(args, "relu_threshold", 0.0),
+                   cats, layer.threshold_on, mode != "dense", float(args.relu_threshold) if relu_gate else None)
 
     def __call__(self, pre, up):
         """pre and up (t, n), numpy or MLX arrays (computed in the same library)."""
