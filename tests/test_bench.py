@@ -59,8 +59,8 @@ def test_bytes_fall_down_the_ladder(ladder):
     for row in ladder["rows"]:
         if row["mode"] not in ("dense",):
             assert row["bytes_per_token"] >= row["bytes_needed_per_token"] >= 0
-            # only a strong cache bias may leave a token nothing to read
-            assert row["bytes_needed_per_token"] > 0 or row["rung"] == "+cache-aware 4"
+            # only a strong cache bias or the flock (all of it read with the prompt) may leave a token nothing
+            assert row["bytes_needed_per_token"] > 0 or row["rung"] in ("+cache-aware 4", "+flock", "+flock core")
 
 
 def test_budget_sweep_stays_within_its_plan(ladder):
@@ -107,3 +107,17 @@ def test_cache_aware_rungs_need_fewer_bytes_at_a_cost_in_quality(ladder):
     assert r["+cache-aware 4"]["bytes_needed_per_token"] < r["+4-bit"]["bytes_needed_per_token"]
     assert r["+cache-aware 4"]["bytes_needed_per_token"] <= r["+cache-aware 1"]["bytes_needed_per_token"]
     assert ppl(r["+cache-aware 4"]) != ppl(r["+4-bit"])
+
+
+def test_the_flock_rungs_read_with_the_prompt_only_and_exact_flocking_is_lossless(ladder):
+    """+flock and +flock core read each layer once, with the prompt, and nothing after; exact+flock is exact 4-bit's
+    text and second-half perplexity (its prompt half computed with every neuron, as exact mode's is lossless)."""
+    r = ladder["by_rung"]
+    for name in ("+flock", "+flock core"):
+        assert r[name]["bytes_per_token"] == 0 and r[name]["prompt_bytes"] > 0
+    exact, flocked = r["exact 4-bit"], r["exact+flock"]
+    assert flocked["greedy_agreement"] == 1.0 and 0 < flocked["bytes_per_token"]
+    assert flocked["prompt_bytes"] < exact["prompt_bytes"]  # one stream, not the prompt's tokens one by one
+    for text, value in exact["perplexity"].items():
+        assert flocked["perplexity"][text] == pytest.approx(value, rel=1e-5), text
+    assert any(text.endswith("(2nd half)") for text in exact["perplexity"])

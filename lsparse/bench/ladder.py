@@ -78,7 +78,7 @@ def _run_rungs(rungs: list[Rung], images: dict, prompts, windows, options: Bench
     for rung in rungs:
         progress(f"rung {rung.name}")
         key = (rung.variant, "dense" if rung.mode in ("naive", "dense") else rung.mode, rung.correct_every,
-               rung.cache_bias)
+               rung.cache_bias, rung.flock, rung.flock_rule)
         spec = {"rung": asdict(rung), "image": str(images[rung.variant]), "prompts": prompts,
                 "gen_tokens": options.gen_tokens, "workers": options.workers, "context": context,
                 "quality": {} if key in quality_done else windows}
@@ -149,9 +149,9 @@ def bench(image, options: BenchOptions, progress=print) -> dict:
     rows = [summary(r, results[r.name], references["4bit" if r.variant.startswith("4bit") else "fp16"])
             for r in rungs]
     full = next((r for r in rungs if r.name == "+4-bit"), None)
-    sweep = _sweep(full, images[full.variant], prompts, options, context,
-                   quality_done.get((full.variant, full.mode, None, 0.0), {}), progress) if full and options.budgets \
-        else []
+    full_quality = quality_done.get((full.variant, full.mode, None, 0.0, None, "add"), {}) if full else {}
+    sweep = _sweep(full, images[full.variant], prompts, options, context, full_quality, progress) \
+        if full and options.budgets else []
     return {"image": str(image), "source": meta.source, "synthetic": asdict(meta.synthetic) if meta.synthetic else None,
             "model_bytes": opened.model_bytes(), "prompts": len(prompts),
             "prompt_tokens": options.prompt_tokens, "gen_tokens": options.gen_tokens,

@@ -10,6 +10,11 @@ import numpy as np
 from lsparse.bench.rungs import Rung
 
 
+def second_half(text: str) -> str:
+    """The key of a text's second-half perplexity (its first half a prompt) beside its own in a rung's figures."""
+    return f"{text} (2nd half)"
+
+
 def summary(rung: Rung, result: dict, reference: dict | None) -> dict:
     """One table row: means over prompts."""
     row = {"rung": rung.name, "mode": rung.mode, "window": rung.window, "bundled": rung.bundled,
@@ -23,7 +28,8 @@ def summary(rung: Rung, result: dict, reference: dict | None) -> dict:
     if result["flash"]:
         f = {k: float(np.mean([r[k] for r in result["flash"]])) for k in result["flash"][0]
              if k not in ("direct_io", "gap_rule")}
-        row.update({"bytes_per_token": f["bytes_read_per_token"], "bytes_needed_per_token": f["bytes_needed_per_token"],
+        row.update({"prompt_bytes": f.get("prompt_bytes_read"), "bytes_per_token": f["bytes_read_per_token"],
+                    "bytes_needed_per_token": f["bytes_needed_per_token"],
                     "reads_per_token": f["reads_per_token"], "mean_read_bytes": f["mean_read_bytes"],
                     "effective_gbps": f["bytes_read_per_token"] / (f["read_ms_per_token"] * 1e6)
                     if f["read_ms_per_token"] else None,
@@ -32,7 +38,7 @@ def summary(rung: Rung, result: dict, reference: dict | None) -> dict:
                     "direct_io": all(r["direct_io"] for r in result["flash"]),
                     "gap_bytes": f["gap_bytes"], "gap_rule": result["flash"][0]["gap_rule"]})
     else:
-        row.update({k: None for k in ("bytes_per_token", "bytes_needed_per_token", "reads_per_token",
+        row.update({k: None for k in ("prompt_bytes", "bytes_per_token", "bytes_needed_per_token", "reads_per_token",
                                       "mean_read_bytes", "effective_gbps", "io_ms", "read_ms", "mem_ms", "compute_ms",
                                       "cache_hit_rate", "direct_io", "gap_bytes", "gap_rule")})
         row["bytes_per_token"] = 0.0
@@ -56,7 +62,8 @@ def print_ladder(result: dict, console=None) -> None:
     table = Table(title=f"lsparse bench {result['image']}: {result['prompts']} prompts of "
                         f"{result['prompt_tokens']} tokens, {result['gen_tokens']} generated")
     for col in ("rung", "KB/token", "reads/token", "KB/read", "GB/s", "io ms", "mem ms", "compute ms", "tok/s",
-                "peak MB", *[f"ppl {Path(t).stem}" for t in texts], "greedy =", "same prefix"):
+                "peak MB", *[f"ppl {Path(t).stem}" for t in texts], *[f"2nd half {Path(t).stem}" for t in texts],
+                "greedy =", "same prefix"):
         table.add_column(col, justify="left" if col == "rung" else "right")
 
     def fmt(v, spec):
@@ -69,6 +76,7 @@ def print_ladder(result: dict, console=None) -> None:
                       fmt(row["compute_ms"], ".2f"), fmt(row["tokens_per_second"], ".1f"),
                       fmt(row["peak_memory_bytes"] / 1e6, ".0f"),
                       *[fmt(row["perplexity"].get(t), ".3f") for t in texts],
+                      *[fmt(row["perplexity"].get(second_half(t)), ".3f") for t in texts],
                       fmt(row.get("greedy_agreement"), ".1%"), fmt(row.get("identical_prefix_tokens"), "d"))
     console.print(table)
     for r in result["sweep"]:
@@ -87,7 +95,8 @@ def print_ladder(result: dict, console=None) -> None:
                       + ", ".join(f"{k} {v:.3f}" for k, v in q.items()))
 
 
-CSV_COLUMNS = ("rung", "mode", "window", "bundled", "budget_bytes", "bytes_per_token", "bytes_needed_per_token",
+CSV_COLUMNS = ("rung", "mode", "window", "bundled", "budget_bytes", "prompt_bytes", "bytes_per_token",
+               "bytes_needed_per_token",
                "reads_per_token", "mean_read_bytes", "effective_gbps", "io_ms", "read_ms", "mem_ms", "compute_ms",
                "tokens_per_second", "peak_memory_bytes", "planned_ram_bytes", "model_ram_bytes", "cache_hit_rate",
                "gap_bytes",
@@ -98,9 +107,10 @@ def write_csv(result: dict, path) -> None:
     import csv
     with open(path, "w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
-        w.writerow([*CSV_COLUMNS, *[f"perplexity:{t}" for t in result["texts"]]])
+        texts = [*result["texts"], *[second_half(t) for t in result["texts"]]]
+        w.writerow([*CSV_COLUMNS, *[f"perplexity:{t}" for t in texts]])
         for row in result["rows"] + [r for r in result["sweep"] if "refused" not in r]:
-            w.writerow([row.get(c) for c in CSV_COLUMNS] + [row["perplexity"].get(t) for t in result["texts"]])
+            w.writerow([row.get(c) for c in CSV_COLUMNS] + [row["perplexity"].get(t) for t in texts])
 
 
 def plot_ladder(result: dict, path) -> None:

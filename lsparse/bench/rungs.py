@@ -33,6 +33,8 @@ class Rung:
     kernels: str = "auto"         # the FFN backend (lsparse/kernels/backends.py); mlx: cache kept 4-bit
     correct_every: int | None = None  # the dense path checks the drafts every k tokens (runtime/correct.py)
     cache_bias: float = 0.0           # cache-aware masks (DIP): runtime/predictors.py Scored
+    flock: float | None = None        # flocking (GRIFFIN): runtime/flock.py
+    flock_rule: str = "add"
     note: str = ""
 
     def decode_options(self, readers: int, context: int) -> DecodeOptions:
@@ -40,7 +42,8 @@ class Rung:
         return DecodeOptions(mode="dense" if self.mode == "naive" else self.mode, window=self.window,
                              bundled=self.bundled, gap_bytes=self.gap_bytes, ram_budget=self.budget,
                              lookahead=self.lookahead, kernels=self.kernels, readers=readers, context=context,
-                             correct_every=self.correct_every, cache_bias=self.cache_bias)
+                             correct_every=self.correct_every, cache_bias=self.cache_bias, flock=self.flock,
+                             flock_rule=self.flock_rule)
 
 
 LADDER = [
@@ -62,6 +65,13 @@ LADDER = [
     Rung("+lookahead", "4bit-hot", "predicted", lookahead=True, note="the next layer read while this one runs"),
     Rung("+correction", "4bit-hot", "predicted", correct_every=4,
          note="the dense path checks the drafts every 4 tokens (Sirius): dense's text; perplexity does not apply"),
+    Rung("+flock", "4bit-hot", "predicted", flock=0.5, flock_rule="within",
+         note="the predictor's mask within the prompt's flock (half of each layer's neurons, GRIFFIN's statistic): "
+              "read once in the prompt's stream"),
+    Rung("+flock core", "4bit-hot", "predicted", flock=0.5, flock_rule="core",
+         note="every neuron of the flock, no predictor (GRIFFIN as published)"),
+    Rung("exact+flock", "4bit-hot", "exact", flock=0.5,
+         note="exact gating, the flock pinned after the prompt: lossless, fewer reads"),
     Rung("exact 4-bit", "4bit-hot", "exact", note="gate resident: lossless against dense 4-bit"),
     Rung("dense 4-bit", "4bit-hot", "dense", note="every weight in RAM"),
     Rung("dense fp16", "fp16-natural", "dense", note="every weight in RAM: the reference"),

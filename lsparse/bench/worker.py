@@ -16,7 +16,8 @@ from lsparse.errors import LsparseError
 
 def run_rung(spec: dict) -> dict:
     """One rung, in this process: greedy generation from each prompt, its costs, and (when asked) perplexity."""
-    from lsparse.model.perplexity import perplexity
+    from lsparse.bench.report import second_half
+    from lsparse.model.perplexity import perplexities
     from lsparse.runtime.correct import stream_corrected
     from lsparse.runtime.generate import peak_rss_bytes, stream_generate
     from lsparse.runtime.load import load_image
@@ -44,7 +45,10 @@ def run_rung(spec: dict) -> dict:
     quality_model = model.dense if rung.mode == "naive" else model  # the same arithmetic, without the reads
     # correction changes which tokens are generated, not a teacher-forced score: no perplexity of its own
     quality = {} if rung.correct_every else spec["quality"]
-    result["perplexity"] = {name: perplexity(quality_model, w) for name, w in quality.items()}
+    # each window's first half a prompt (a flock is chosen from it), its second half reported apart as well
+    figures = {name: perplexities(quality_model, w) for name, w in quality.items()}
+    result["perplexity"] = {**{name: f[0] for name, f in figures.items()},
+                            **{second_half(name): f[1] for name, f in figures.items()}}
     model.close()
     return result
 

@@ -33,6 +33,13 @@ SHARED = {
     "cache_bias": (Optional[float], typer.Option(None, "--cache-bias", min=0.0, help="Images, predicted mode: "
                                                  "cache-aware masks (DIP): a cached neuron passes this far below the "
                                                  "predictor's threshold, one on flash must clear it by as much [0].")),
+    "flock": (Optional[float], typer.Option(None, "--flock", help="Images, exact or predicted mode: flocking "
+                                            "(GRIFFIN): the prompt streams each layer once and this share of its "
+                                            "neurons, those the prompt used most, stays in RAM for the sequence.")),
+    "flock_rule": (Optional[str], typer.Option(None, "--flock-rule", help="With --flock: add (the mode's mask, "
+                                               "the flock cached), within (the mask kept to the flock: no reads "
+                                               "after the prompt) or core (every flock neuron, no predictor; "
+                                               "predicted mode) \\[add].")),
     "temp": (float, typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")),
     "top_p": (float, typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the smallest set with this mass.")),
     "seed": (Optional[int], typer.Option(None, "--seed", help="Random seed for sampling.")),
@@ -64,6 +71,8 @@ class ModelChoice:
     window: int | None
     threshold: float | None
     cache_bias: float | None
+    flock: float | None
+    flock_rule: str | None
     temp: float
     top_p: float
     seed: int | None
@@ -82,7 +91,7 @@ class ModelChoice:
         refused."""
         from lsparse.image.image import is_image
         image_only = {"--mode": self.mode, "--window": self.window, "--threshold": self.threshold,
-                      "--cache-bias": self.cache_bias,
+                      "--cache-bias": self.cache_bias, "--flock": self.flock, "--flock-rule": self.flock_rule,
                       "--ram-budget": self.ram_budget, "--kernels": self.kernels, "--packed": self.packed or None,
                       "--readers": self.readers, "--buffered": self.buffered or None,
                       "--lookahead": self.lookahead or None}
@@ -106,7 +115,8 @@ class ModelChoice:
         if self.packed and (self.kernels or "auto") not in ("auto", "mlx"):
             raise LsparseError(f"--packed means --kernels mlx; it cannot go with --kernels {self.kernels}")
         given = {"mode": self.mode or ("dense" if self.dense else "exact"), "window": self.window,
-                 "threshold_shift": self.threshold, "cache_bias": self.cache_bias, "ram_budget": budget,
+                 "threshold_shift": self.threshold, "cache_bias": self.cache_bias, "flock": self.flock,
+                 "flock_rule": self.flock_rule, "ram_budget": budget,
                  "kernels": "mlx" if self.packed else self.kernels or "auto", "readers": self.readers,
                  "direct": not self.buffered, "lookahead": self.lookahead}
         return DecodeOptions(**{k: v for k, v in given.items() if v is not None})

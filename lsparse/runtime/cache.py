@@ -6,12 +6,14 @@ from __future__ import annotations
 import numpy as np
 
 NEVER = -(1 << 40)
+PINNED = 1 << 62  # a pinned neuron's last use: never stale, never the least recent
 
 
 class NeuronCache:
     """Preallocated row stores (one per row of a bundle kept, made by the kernel backend) and a slot table. A
     neuron stays while one of the last `window` tokens used it (None: until its slot is needed), and the least
-    recently used make room when the cache is full; freed slots are reused in place."""
+    recently used make room when the cache is full; freed slots are reused in place. Pinned neurons (a flock,
+runtime/flock.py) stay until the next pin releases them."""
 
     def __init__(self, n_neurons: int, capacity: int, n_rows: int, window: int | None, kernels,
                  prefault: bool = False):
@@ -32,7 +34,8 @@ class NeuronCache:
             self.slot_of[self.neuron_of[stale]] = -1
             self.neuron_of[stale] = -1
         slots = self.slot_of[needed]
-        self.last_used[slots[slots >= 0]] = self.clock  # this token's neurons are not evicted
+        held = slots[slots >= 0]
+        self.last_used[held] = np.maximum(self.last_used[held], self.clock)  # this token's are not evicted
         return needed[slots < 0]
 
     def insert(self, neurons: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -59,3 +62,14 @@ class NeuronCache:
         """(the needed neurons the cache holds now, their slots)."""
         slots = self.slot_of[needed]
         return needed[slots >= 0], slots[slots >= 0]
+
+    def pin(self, neurons: np.ndarray, rows: np.ndarray) -> int:
+        """Keep these neurons (rows: (n, rows kept, row), theirs) whatever the window and the LRU say, in place of
+        the neurons pinned before. Returns how many are pinned: as many as the cache holds."""
+        self.last_used[self.last_used == PINNED] = self.clock - 1  # released: evictable from now
+        slots = self.slot_of[neurons]
+        self.last_used[slots[slots >= 0]] = PINNED
+        new = slots < 0
+        placed = self.insert(neurons[new], rows[new])
+        self.last_used[self.slot_of[neurons[new][placed]]] = PINNED
+        return int((~new).sum() + placed.sum())

@@ -52,16 +52,18 @@ def flash_report(steps: list[TokenCost], dense_ffn_bytes: int, tokens: int | Non
     """Per decoded token, after the prompt's first step: what the FFNs read and where the time went. A step is
     a call of the model, one token each, unless `tokens` says how many the steps decoded (correction: a dense
     pass checks several in one call)."""
-    steps = steps[1:] or steps
     if not steps:
         return {}
+    prompt_bytes = steps[0].bytes_read  # the prompt's call (with a flock: the burst)
+    steps = steps[1:] or steps
 
     def mean(key):
         return float(sum(getattr(s, key) for s in steps) / (tokens or len(steps)))
 
     reads = sum(s.requests for s in steps)
     lookups = sum(s.lookups for s in steps)
-    return {"bytes_read_per_token": mean("bytes_read"), "bytes_needed_per_token": mean("bytes_needed"),
+    return {"prompt_bytes_read": prompt_bytes, "bytes_read_per_token": mean("bytes_read"),
+            "bytes_needed_per_token": mean("bytes_needed"),
             "dense_ffn_bytes": dense_ffn_bytes, "share_of_dense_ffn": mean("bytes_read") / dense_ffn_bytes,
             "reads_per_token": mean("requests"),
             "mean_read_bytes": sum(s.bytes_read for s in steps) / reads if reads else 0.0,

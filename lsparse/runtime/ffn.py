@@ -66,6 +66,14 @@ class NeuronProducts:
         as the backend computes them: numpy, or MLX graphs for a lazy backend."""
         if len(neurons) == 0:
             return self.kernels.zeros((x.shape[0], self.d_model))
+        return self.down(stores, slots, self.coefficients(x, neurons, stores, slots, pre_all))
+
+    def down(self, stores: dict, slots, coefficients):
+        """(t, n) coefficients of neurons held at `slots` -> (t, d_model) through their down rows."""
+        return self.kernels.vm(stores["down"], slots, coefficients)
+
+    def coefficients(self, x, neurons: np.ndarray, stores: dict, slots, pre_all=None):
+        """x (t, d_model) -> (t, n): each neuron's coefficient on its down row (partial's arguments)."""
         up = None
         if pre_all is not None:
             pre = pre_all[:, self.kernels.index(neurons)]
@@ -76,7 +84,7 @@ class NeuronProducts:
             pre = self.kernels.mv(stores[self.projection], slots, x)
             if self.up_bias is not None:
                 pre = pre + self.up_bias[neurons]
-        return self.kernels.vm(stores["down"], slots, self.activation(pre, up))
+        return self.activation(pre, up)
 
     def finish(self, out: np.ndarray) -> np.ndarray:
         return out if self.down_bias is None else out + self.down_bias

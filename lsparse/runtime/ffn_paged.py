@@ -20,7 +20,8 @@ OVERLAP_MIN_WEIGHTS = 1 << 20
 
 class PagedFFN:
     def __init__(self, layer: Layer, products: NeuronProducts, hot_rows: dict, predictor, cache: NeuronCache,
-                 fetcher: Fetcher, check: RowCheck, rows_read: tuple[str, ...], costs: CostLog):
+                 fetcher: Fetcher, check: RowCheck, rows_read: tuple[str, ...], costs: CostLog,
+                 flock_rule: str = "add"):
         self.layer, self.products, self.hot_rows, self.predictor = layer, products, hot_rows, predictor
         self.cache, self.fetcher, self.check, self.rows_read, self.costs = cache, fetcher, check, rows_read, costs
         self.position = np.full(layer.d_ff, -1, dtype=np.int64)  # (d_ff,) a cold neuron's place in its region
@@ -30,23 +31,15 @@ class PagedFFN:
         self.overlap = len(layer.hot) * products.d_model >= OVERLAP_MIN_WEIGHTS
         self.next = None      # the next layer's PagedFFN, to read ahead for (the lookahead)
         self.pending = None   # a read started ahead for this layer
+        self.flock_rule = flock_rule  # how a flock, once chosen, shapes the mask (runtime/flock.py)
+        self.flock = None     # (n,) ascending: the sequence's flock, chosen from its prompt
+        self.in_flock = np.zeros(layer.d_ff, dtype=bool)
 
     def __call__(self, args, w, x, xp):
         cost = self.costs.now
         with timed(cost, "compute_s"):
-            # A numpy predictor reads x on the host: with a lazy backend the layer's one evaluation
-            x_predicted = x if self.predictor.takes_graph else self.products.kernels.host(x)[0]
-            nxt, guess = self.next, None
-            if nxt is not None and self.predictor.takes_graph and nxt.predictor.takes_graph:
-                (active, pre), guess = self.predictor.predict_and_guess(x, nxt.predictor)  # one read for both
-            else:
-                # a cache-aware predictor (DIP) favours the cached neurons
-                cached = self.cache.slot_of >= 0 if getattr(self.predictor, "cache_bias", 0) else None
-                active, pre = self.predictor.predict(x_predicted, cached)  # (n_active,) ascending; gate values or None
-            cost.missed += getattr(self.predictor, "missed", 0)
+            active, pre = self._predict(x, cost)  # (n_active,) ascending; gate values or None
             needed = active[self.is_cold[active]]
-            if nxt is not None:
-                nxt.read_ahead(x if nxt.predictor.takes_graph else x_predicted, guess)
         start = time.perf_counter()
         missing = self.cache.lookup(needed)
         cost.lookups, cost.hits = cost.lookups + len(needed), cost.hits + len(needed) - len(missing)
@@ -66,6 +59,35 @@ class PagedFFN:
                 held = {c: self.products.kernels.hold(rows[:, k]) for k, c in enumerate(self.rows_read)}
                 out = out + self.products.partial(x, neurons, held, None, pre)
             return self.products.finish(out)
+
+    def _predict(self, x, cost) -> tuple[np.ndarray, object]:
+        """(the neurons x needs, ascending; the gate's values for every neuron or None), the flock's rule
+        applied; the lookahead's reads for the next layer started."""
+        if self.flock is not None and self.flock_rule == "core":
+            return self.flock, None
+        # A numpy predictor reads x on the host: with a lazy backend the layer's one evaluation
+        x_predicted = x if self.predictor.takes_graph else self.products.kernels.host(x)[0]
+        nxt, guess = self.next, None
+        if nxt is not None and self.predictor.takes_graph and nxt.predictor.takes_graph:
+            (active, pre), guess = self.predictor.predict_and_guess(x, nxt.predictor)  # one read for both
+        else:
+            # a cache-aware predictor (DIP) favours the cached neurons
+            cached = self.cache.slot_of >= 0 if getattr(self.predictor, "cache_bias", 0) else None
+            active, pre = self.predictor.predict(x_predicted, cached)
+        cost.missed += getattr(self.predictor, "missed", 0)
+        if nxt is not None:
+            nxt.read_ahead(x if nxt.predictor.takes_graph else x_predicted, guess)
+        if self.flock is not None and self.flock_rule == "within":
+            active = active[self.in_flock[active]]
+        return active, pre
+
+    def follow(self, flock: np.ndarray, cold_bundles: np.ndarray) -> None:
+        """A new sequence's flock (ascending), its cold neurons' rows pinned in the cache from `cold_bundles`
+        (count, stride): the layer's cold region as streamed, in file order."""
+        self.flock, self.in_flock[:] = flock, False
+        self.in_flock[flock] = True
+        cold = flock[self.is_cold[flock]]
+        self.cache.pin(cold, self._block_of(cold_bundles[self.position[cold]]))
 
     def _read_missing(self, x, missing, pre, extra, cost) -> tuple[np.ndarray | None, float, float]:
         """Read the missing neurons into the cache: (the hot neurons' output if computed meanwhile, seconds
@@ -89,8 +111,11 @@ class PagedFFN:
         return hot_out, waited, hot_s
 
     def _block(self, fetched: Fetched) -> np.ndarray:
-        """Bundle bytes to (neurons, rows read, row) as the backend keeps them."""
-        return self.products.kernels.prepare(fetched.rows, len(self.rows_read))
+        return self._block_of(fetched.rows)
+
+    def _block_of(self, bundles: np.ndarray) -> np.ndarray:
+        """Bundle bytes (neurons, at least the rows read) to (neurons, rows read, row) as the backend keeps them."""
+        return self.products.kernels.prepare(bundles, len(self.rows_read))
 
     def _place(self, neurons: np.ndarray, block: np.ndarray, extra: list) -> None:
         placed = self.cache.insert(neurons, block)

@@ -35,6 +35,16 @@ class StreamedFFN:
 
     def __call__(self, args, w, x, xp):
         cost = self.costs.now
+        bundles = self.stream(cost)
+        with timed(cost, "mem_s"):
+            rows = self.products.hold(bundles, self.components)
+        with timed(cost, "compute_s"):
+            out = (self.products.partial(x, self.layer.hot, self.hot_rows, None)
+                   + self.products.partial(x, self.layer.cold_order, rows, None))
+            return self.products.finish(out)
+
+    def stream(self, cost) -> np.ndarray:
+        """The layer's cold bundles (count, stride) in file order, read whole and checked; counted in `cost`."""
         start = time.perf_counter()
         region = self.layer.region
         starts = np.arange(0, region.size, HYBRID_READ_BYTES)
@@ -42,14 +52,10 @@ class StreamedFFN:
         fetched = self.fetcher.read_spans(region.offset + starts, lengths)  # (region bytes,) in file order
         bundles = fetched.rows.reshape(region.count, self.stride)
         self.check(np.arange(region.count), bundles)
-        rows = self.products.hold(bundles, self.components)
         cost.bytes_needed += region.size
         cost.bytes_read += fetched.transferred
         cost.requests += fetched.requests
         cost.io_s += fetched.seconds
         cost.read_s += fetched.seconds
         cost.mem_s += time.perf_counter() - start - fetched.seconds
-        with timed(cost, "compute_s"):
-            out = (self.products.partial(x, self.layer.hot, self.hot_rows, None)
-                   + self.products.partial(x, self.layer.cold_order, rows, None))
-            return self.products.finish(out)
+        return bundles

@@ -17,6 +17,7 @@ from lsparse.runtime.fetch import Fetcher, RowCheck
 from lsparse.runtime.ffn import Activation, NeuronProducts
 from lsparse.runtime.ffn_paged import PagedFFN
 from lsparse.runtime.ffn_streamed import DenseFFN, StreamedFFN
+from lsparse.runtime.flock import FlockPrefill
 from lsparse.runtime.options import DecodeOptions
 from lsparse.runtime.plan import MemoryPlan, plan
 from lsparse.runtime.reader import DEFAULT_GAP_BYTES
@@ -28,9 +29,11 @@ class ImageModel:
     """A Model over an image's weights, with what each forward call cost in `costs`."""
 
     def __init__(self, image: Image, model: Model, ffns: list, costs: CostLog, memory: MemoryPlan,
-                 fetcher: Fetcher | None, kernels, gap: dict, trace, verifiers: list | None = None):
+                 fetcher: Fetcher | None, kernels, gap: dict, trace, verifiers: list | None = None,
+                 flock: list | None = None):
         self.image, self.model, self.ffns, self.costs, self.memory_plan = image, model, ffns, costs, memory
         self.verifiers = verifiers  # with correction: each layer's dense path (runtime/correct.py)
+        self.flock = flock  # with --flock: each layer's FlockPrefill, for a sequence's first call
         self.fetcher, self.kernels, self.gap, self.trace = fetcher, kernels, gap, trace
         self.xp, self.make_cache, self.context_length = model.xp, model.make_cache, model.context_length
         self.token_by_token = isinstance(ffns[0], PagedFFN) if ffns else False
@@ -39,6 +42,8 @@ class ImageModel:
         if ffn_fns is not None:
             raise ValueError("an image model's FFNs are its own")
         self.costs.start()
+        if self.flock and cache[0].offset == 0:  # a sequence's prompt: each layer's flock chosen from it
+            return self.model(tokens, cache, self.flock)
         if not self.token_by_token and self.trace is None:
             return self.model(tokens, cache, self.ffns)
         # A prompt goes through token by token, as decoding does: a neuron cache sized for one token's
@@ -87,13 +92,16 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
         # MLX keeps freed buffers for reuse unless told: within the budget, no more than one layer's reads
         array_module("mlx").set_cache_limit(memory.working_set)
     trace = _trace(image, options)
+    if options.flock and trace is not None:
+        raise LsparseError("--flock chooses neurons from a prompt's real activations: a synthetic image replays "
+                           "recorded masks")
     if options.correct_every and (trace is not None or options.ram_budget is not None):
         raise LsparseError("--correct-every needs a real model's image and no --ram-budget (the dense pass's "
                            "reads of whole layers are not in the memory plan)")
     fetcher, gap = _fetcher(image, options, memory)
     arch, args = architecture(m.config)
     costs = CostLog()
-    layers, ffns, verifiers = [], [], []
+    layers, ffns, verifiers, flock = [], [], [], []
 
     # A lazy backend's products are MLX graphs: the model around them runs in MLX too, its weights MLX arrays
     xp = array_module("mlx") if backend.lazy else np
@@ -111,6 +119,8 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
         if options.correct_every:  # the dense model's FFN: every neuron, no CATS cut (the dense mode's rule)
             dense = NeuronProducts(backend, arch, m.bundle.d_model, Activation.of(layer, arch, args, "dense"), resident)
             verifiers.append(StreamedFFN(layer, dense, ffn.hot_rows, fetcher, ffn.check, ffn.rows_read, costs))
+        if options.flock:
+            flock.append(FlockPrefill(ffn, fetcher, m.bundle.components, options.flock))
     if options.lookahead:
         for this, nxt in zip(ffns, ffns[1:], strict=False):
             this.next = nxt
@@ -118,8 +128,8 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
     model = Model(arch, args, globals_, layers, xp)
     read_ahead_in_turn([[w[k] for k in arch.MATRICES if k in w] for w in layers] +
                        [[globals_.get("lm_head", globals_["embed"])]])
-    return ImageModel(image, model, ffns, costs, memory, fetcher, backend, gap, trace, verifiers or None), \
-        image.tokenizer()
+    return ImageModel(image, model, ffns, costs, memory, fetcher, backend, gap, trace, verifiers or None,
+                      flock or None), image.tokenizer()
 
 
 def plan_image(image: Image, options: DecodeOptions) -> tuple[object, MemoryPlan]:
@@ -186,4 +196,4 @@ def _layer_ffn(image, layer, resident, options, arch, args, backend, memory, fet
     # Under a budget the caches' RAM is planned and held anyway: map it now, not while the first tokens run
     cache = NeuronCache(layer.d_ff, memory.cache_slots[layer.index], len(rows_read), options.window, backend,
                         prefault=options.ram_budget is not None)
-    return PagedFFN(layer, products, hot_rows, predictor, cache, fetcher, check, rows_read, costs)
+    return PagedFFN(layer, products, hot_rows, predictor, cache, fetcher, check, rows_read, costs, options.flock_rule)

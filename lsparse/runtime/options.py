@@ -11,6 +11,7 @@ from lsparse.runtime.reader import DEFAULT_READERS
 from lsparse.sizes import parse_size
 
 MODES = ("exact", "predicted", "dense", "hybrid")
+FLOCK_RULES = ("add", "within", "core")  # runtime/flock.py
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class DecodeOptions:
     cache_bias: float = 0.0         # predicted mode: a cached neuron's score raised by this, an uncached one's lowered
     correct_every: int | None = None   # predicted mode: the dense path checks the drafts every k tokens
     correct_margin: float | None = None  # ... and sooner where the top two logits are closer than this
+    flock: float | None = None      # a sequence's flock: this share of each layer's neurons, chosen from its prompt
+    flock_rule: str = "add"         # add, within or core: how the flock shapes later masks (runtime/flock.py)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -51,8 +54,25 @@ class DecodeOptions:
                                f"{self.mode} mode")
         if self.correct_margin is not None and (self.correct_every is None or not self.correct_margin >= 0):
             raise LsparseError("--correct-margin (at least 0) goes with --correct-every")
+        self._check_flock()
         if self.gap_bytes is not None and self.gap_bytes < 0:
             raise LsparseError(f"the read-through gap must be at least 0, got {self.gap_bytes}")
+
+    def _check_flock(self):
+        if self.flock is None:
+            if self.flock_rule != "add":
+                raise LsparseError("--flock-rule goes with --flock SHARE")
+            return
+        if not 0 < self.flock <= 1:
+            raise LsparseError(f"--flock is a share of each layer's neurons, above 0 and at most 1, got {self.flock}")
+        if self.flock_rule not in FLOCK_RULES:
+            raise LsparseError(f"unknown flock rule {self.flock_rule!r} (choose from {', '.join(FLOCK_RULES)})")
+        if self.mode not in ("exact", "predicted") or (self.flock_rule == "core" and self.mode != "predicted"):
+            raise LsparseError(f"--flock with rule {self.flock_rule} works in "
+                               f"{'predicted' if self.flock_rule == 'core' else 'exact or predicted'} mode, "
+                               f"not {self.mode}")
+        if self.lookahead or self.correct_every:
+            raise LsparseError("--flock does not combine with --lookahead or --correct-every")
 
     def but(self, **changes) -> "DecodeOptions":
         return replace(self, **changes)

@@ -13,6 +13,7 @@ from lsparse.image.manifest import Manifest
 from lsparse.image.quantize import row_bytes as stored_row_bytes
 from lsparse.kernels.backends import STORED_MIN_WEIGHTS
 from lsparse.model import architecture
+from lsparse.runtime.flock import CHUNK, flock_size
 from lsparse.runtime.options import DecodeOptions
 from lsparse.runtime.reader import ALIGN
 
@@ -134,13 +135,16 @@ def plan(manifest: Manifest, kernels, options: DecodeOptions) -> MemoryPlan:
     if mode == "dense":  # every neuron held, as hot ones are
         fixed["hot_neurons"] = sum(int(n) * row_bytes(n) for n in d_ffs) * len(b.components)
         return _fit(fixed, 0, 0, zeros, zeros, None, options.ram_budget, mode, mappable)
-    if mode == "hybrid":  # one layer's cold bundles at a time, read whole, held and dropped
-        buffer = -(-int(cold.max()) * b.stride // ALIGN) * ALIGN + ALIGN
-        working = buffer + int(cold.max()) * len(b.components) * row_bytes(cold.max())
-        return _fit(fixed, working, buffer, zeros, zeros, None, options.ram_budget, mode, mappable)
+    # hybrid's tokens and a flock's prompt: one layer's cold bundles at a time, read whole, held and dropped
+    stream_buffer = -(-int(cold.max()) * b.stride // ALIGN) * ALIGN + ALIGN
+    stream = stream_buffer + int(cold.max()) * len(b.components) * row_bytes(cold.max())
+    if mode == "hybrid":
+        return _fit(fixed, stream, stream_buffer, zeros, zeros, None, options.ram_budget, mode, mappable)
     # A token's own neurons should fit: a quarter more than the most calibration saw one token load. A token
     # that loads more still runs, through rows of its own and reads in several batches, at the cost of rereads.
     minimum = np.minimum(cold, np.ceil(1.25 * _most_loaded(manifest, mode) * d_ffs).astype(int))
+    if options.flock:  # the flock's cold neurons pinned beside a token's own
+        minimum = np.minimum(cold, minimum + np.array([flock_size(options.flock, n) for n in d_ffs]))
     capacity = cold.copy() if options.window is None else np.minimum(cold, options.window * minimum)
     def slot_bytes(count: int) -> int:  # a slot: the rows kept of a neuron, as a store of `count` keeps them
         return rows * row_bytes(max(int(count), 1), held=False)
@@ -149,6 +153,8 @@ def plan(manifest: Manifest, kernels, options: DecodeOptions) -> MemoryPlan:
     readers = 2 if options.lookahead else 1
     # per reader: its buffer, the rows it yields as the backend keeps them, and the copies the products gather
     working = readers * (buffer + max(2 * int(n) * slot_bytes(n) for n in minimum))
+    if options.flock:  # the prompt's stream, and its coefficients a chunk of tokens at a time (gate, up, product)
+        buffer, working = max(buffer, stream_buffer), max(working, stream + 3 * CHUNK * int(d_ffs.max()) * F32)
     return _fit(fixed, working, buffer, minimum, capacity, slot_bytes, options.ram_budget, mode, mappable)
 
 
