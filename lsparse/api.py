@@ -74,7 +74,8 @@ def generate(model, tokenizer, prompt: str | list[int], max_tokens: int = 256, *
 
 def compile(source: str, output: str, options: CompileOptions | None = None, **fields):  # noqa: A001
     """`lsparse compile SOURCE -o OUTPUT`: the image's Manifest. Options as CompileOptions or its fields."""
-    return compile_image(source, output, options or CompileOptions(**fields))
+    from lsparse.runtime.gate import gate_thresholds
+    return compile_image(source, output, options or CompileOptions(**fields), gate=gate_thresholds)
 
 
 def bench(image: str, options: BenchOptions | None = None, progress=None, **fields) -> dict:

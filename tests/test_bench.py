@@ -20,7 +20,8 @@ def ladder(tmp_path_factory):
                              predictor="svd", rank=16, hot_fraction=0.1, bits=4)
     compile_image("builtin:tinystories-reglu", str(root / "image"), options)
     done = lsparse("bench", str(root / "image"), "--text", str(text), "--prompts", "1", "--prompt-tokens", "32",
-                   "--gen-tokens", "32", "--quality-tokens", "256", "--budgets", "0.9", "--cache-bias", "1,4", "--json",
+                   "--gen-tokens", "32", "--quality-tokens", "256", "--budgets", "0.9", "--cache-bias", "1,4",
+                   "--flock", "0.9", "--max-quality-loss", "0.3", "--json",
                    "--csv", str(root / "ladder.csv"), "--plot", str(root / "ladder.png"), timeout=600)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
@@ -34,10 +35,11 @@ def ppl(row):
 
 
 def test_every_rung_ran_and_wrote_csv_and_plot(ladder):
-    assert list(ladder["by_rung"]) == [r.name for r in LADDER] + ["+cache-aware 1", "+cache-aware 4"]
+    added = ["+cache-aware 1", "+cache-aware 4", "+flock core 0.9", "+gated 30.0%"]
+    assert list(ladder["by_rung"]) == [r.name for r in LADDER] + added
     with open(ladder["root"] / "ladder.csv", newline="") as f:
         ran = [row for row in ladder["sweep"] if "refused" not in row]
-        assert len(list(csv.DictReader(f))) == len(LADDER) + 2 + len(ran)
+        assert len(list(csv.DictReader(f))) == len(LADDER) + len(added) + len(ran)
     assert (ladder["root"] / "ladder.png").stat().st_size > 0
 
 
@@ -60,7 +62,8 @@ def test_bytes_fall_down_the_ladder(ladder):
         if row["mode"] not in ("dense",):
             assert row["bytes_per_token"] >= row["bytes_needed_per_token"] >= 0
             # only a strong cache bias or the flock (all of it read with the prompt) may leave a token nothing
-            assert row["bytes_needed_per_token"] > 0 or row["rung"] in ("+cache-aware 4", "+flock", "+flock core")
+            assert row["bytes_needed_per_token"] > 0 or row["rung"] in ("+cache-aware 4", "+flock", "+flock core",
+                                                                         "+flock core 0.9")
 
 
 def test_budget_sweep_stays_within_its_plan(ladder):
@@ -121,3 +124,13 @@ def test_the_flock_rungs_read_with_the_prompt_only_and_exact_flocking_is_lossles
     for text, value in exact["perplexity"].items():
         assert flocked["perplexity"][text] == pytest.approx(value, rel=1e-5), text
     assert any(text.endswith("(2nd half)") for text in exact["perplexity"])
+
+
+def test_the_gated_rung_runs_an_image_compiled_for_its_bound(ladder):
+    """--max-quality-loss 0.3 adds +gated 30.0%: predicted mode on a variant whose thresholds compile chose for
+    that bound (tests/test_gate.py checks the bound itself); a knob of its own, so a perplexity of its own."""
+    from lsparse.image.image import Image
+    r = ladder["by_rung"]["+gated 30.0%"]
+    assert r["bytes_needed_per_token"] > 0 and ppl(r) != ppl(ladder["by_rung"]["+4-bit"])
+    variant = Image.open(ladder["root"] / "image.variants" / "4bit-gated-0.3").manifest
+    assert variant.option("max_quality_loss") == 0.3 and variant.layers[0].figures["quality_gate"]["bound"] == 0.3

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from lsparse.bench.report import summary
-from lsparse.bench.rungs import LADDER, SYNTHETIC_RUNGS, Rung, synthetic_base, variant_images
+from lsparse.bench.rungs import LADDER, SYNTHETIC_RUNGS, Rung, gated_rung, synthetic_base, variant_images
 from lsparse.bench.worker import can_cap, in_subprocess
 from lsparse.errors import LsparseError
 from lsparse.image.image import Image
@@ -35,6 +35,8 @@ class BenchOptions:
     rungs: list | None = None                    # names; None: all
     budgets: tuple = (0.25, 0.5, 0.75)           # shares of the model as stored for the latency-memory sweep
     cache_biases: tuple = ()                     # a +cache-aware rung for each (DIP's knob: bytes against quality)
+    flock_shares: tuple = ()                     # a +flock core rung for each (GRIFFIN's knob: the flock's size)
+    quality_bounds: tuple = ()                   # a +gated rung for each: an image compiled with that bound
     workers: int = DEFAULT_READERS
     synthetic: bool = False                      # set by bench() for synthetic images
 
@@ -64,10 +66,19 @@ def _check_rungs(options: BenchOptions, synthetic: bool) -> list[Rung]:
     if options.rungs is not None and len(rungs) != len(options.rungs):
         unknown = sorted(set(options.rungs) - {r.name for r in ladder})
         raise LsparseError(f"unknown rung(s) {', '.join(unknown)} (known here: {', '.join(r.name for r in ladder)})")
-    if options.cache_biases and synthetic:
-        raise LsparseError("--cache-bias needs a real model's predictor: a synthetic image replays its masks")
-    return rungs + [Rung(f"+cache-aware {bias:g}", "4bit-hot", "predicted", cache_bias=bias,
-                         note=f"masks favour cached neurons by {bias:g} (DIP)") for bias in options.cache_biases]
+    if (options.cache_biases or options.flock_shares or options.quality_bounds) and synthetic:
+        raise LsparseError("--cache-bias, --flock and --max-quality-loss need a real model's activations: a "
+                           "synthetic image replays its masks")
+    if not all(0 < b < 10 for b in options.quality_bounds):
+        raise LsparseError("--max-quality-loss takes shares above 0 (0.01 is 1%)")
+    added = [Rung(f"+cache-aware {bias:g}", "4bit-hot", "predicted", cache_bias=bias,
+             note=f"masks favour cached neurons by {bias:g} (DIP)") for bias in options.cache_biases] \
+        + [Rung(f"+flock core {share:g}", "4bit-hot", "predicted", flock=share, flock_rule="core",
+                note=f"every neuron of a flock of {share:.0%} (GRIFFIN)") for share in options.flock_shares]
+    added += [gated_rung(bound) for bound in options.quality_bounds]
+    for rung in added:  # a knob out of range refused now, not in the rung's process
+        rung.decode_options(1, 1)
+    return rungs + added
 
 
 def _run_rungs(rungs: list[Rung], images: dict, prompts, windows, options: BenchOptions, context: int,

@@ -18,6 +18,21 @@ VARIANTS = {
     "4bit-hot": {"bits": 4, "layout": "coactivation"},
     "4bit-wanda": {"bits": 4, "layout": "coactivation", "residency": "wanda"},
 }
+GATED = "4bit-gated-"  # and a bound: the 4-bit image with its thresholds chosen for that quality bound
+
+
+def variant_options(name: str) -> dict:
+    """The compile options a variant changes."""
+    if name.startswith(GATED):
+        return {"bits": 4, "layout": "coactivation", "max_quality_loss": float(name.removeprefix(GATED))}
+    return VARIANTS[name]
+
+
+def gated_rung(bound: float) -> "Rung":
+    """Predicted mode on the image whose thresholds keep held-out perplexity within `bound` of dense's."""
+    return Rung(f"+gated {bound:.1%}", f"{GATED}{bound:g}", "predicted",
+                note=f"thresholds chosen at compile for at most {bound:.1%} more perplexity than dense on held-out "
+                     "calibration text (deployable: predicted mode)")
 
 
 @dataclass
@@ -94,6 +109,7 @@ def synthetic_base(name: str, folder: Path, progress, layers: int | None = None)
 def variant_images(image: Path, needed: set[str], folder: Path, progress=print) -> dict[str, Path]:
     """The image for each variant, compiled from the image's source when its options differ."""
     from lsparse.image.compile import CompileOptions, compile_image
+    from lsparse.runtime.gate import gate_thresholds
     meta = Image.open(image).manifest
     recorded = meta.options
     if not recorded:
@@ -103,7 +119,7 @@ def variant_images(image: Path, needed: set[str], folder: Path, progress=print) 
         base["predictor"] = "lowrank"  # the predicted rungs need a predictor
     images = {}
     for name in sorted(needed):
-        options = {**base, **VARIANTS[name]}
+        options = {**base, "max_quality_loss": None, **variant_options(name)}
         if all(recorded.get(k) == v for k, v in options.items() if k != "calib"):
             images[name] = image
             continue
@@ -118,7 +134,7 @@ def variant_images(image: Path, needed: set[str], folder: Path, progress=print) 
                             progress=progress, **{k: options[k] for k in recorded})
         else:
             progress(f"compiling the {name} variant of {meta.source} into {out}")
-            compile_image(meta.source, str(out), CompileOptions(force=True, **options))
+            compile_image(meta.source, str(out), CompileOptions(force=True, **options), gate=gate_thresholds)
         images[name] = out
     return images
 

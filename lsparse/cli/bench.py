@@ -39,6 +39,11 @@ def bench(
     plot: Optional[str] = typer.Option(None, "--plot", help="Also write a PNG of latency against RAM here."),
     cache_bias: str = typer.Option("", "--cache-bias", help="Add a +cache-aware rung (DIP: predicted mode, "
                                    "masks favouring cached neurons) for each of these biases, e.g. 0.5,1,2."),
+    flock: str = typer.Option("", "--flock", help="Add a +flock core rung (GRIFFIN: every neuron of the prompt's "
+                              "flock, no predictor) for each of these shares of a layer, e.g. 0.7,0.9."),
+    max_quality_loss: str = typer.Option("", "--max-quality-loss", help="Add a +gated rung for each of these "
+                                         "bounds (0.01 is 1%): an image whose predictor thresholds compile chose "
+                                         "to keep held-out perplexity within the bound of dense's."),
     model: bool = typer.Option(False, "--model", help="kernels: the Metal kernels' PREDICTED cost on Apple chips "
                                "(bytes, threadgroups, time floors at each chip's bandwidth), nothing timed."),
 ):
@@ -58,13 +63,19 @@ def bench(
         return _kernels(model, llama_python, Path(variants or "out/bench"), as_json, err)
 
     from lsparse.bench.ladder import BenchOptions
-    from lsparse.bench.ladder import bench as run_ladder
-    from lsparse.bench.report import plot_ladder, print_ladder, write_csv
     options = BenchOptions(texts=[Path(t) for t in text or []], prompts=prompts, prompt_tokens=prompt_tokens,
                            gen_tokens=gen_tokens, quality_tokens=quality_tokens, budgets=numbers(budgets, "--budgets"),
                            variants_dir=Path(variants) if variants else None,
                            rungs=[r.strip() for r in rungs.split(",")] if rungs else None, workers=readers,
-                           cache_biases=numbers(cache_bias, "--cache-bias"))
+                           cache_biases=numbers(cache_bias, "--cache-bias"), flock_shares=numbers(flock, "--flock"),
+                           quality_bounds=numbers(max_quality_loss, "--max-quality-loss"))
+    _ladder(image, options, as_json, csv, plot, err)
+
+
+def _ladder(image: str, options, as_json: bool, csv, plot, err):
+    """The ladder's rungs on an image, shown and written where asked."""
+    from lsparse.bench.ladder import bench as run_ladder
+    from lsparse.bench.report import plot_ladder, print_ladder, write_csv
     with err.status("benchmarking") as status:
         result = run_ladder(image, options, progress=lambda m: status.update(m))
     if csv:

@@ -84,21 +84,36 @@ def compile_(
                                                 "16 (fp16), 8 or 4 (rows in groups, like the bundles) [16]."),
     residency: Optional[str] = typer.Option(None, "--residency", help="Hot neurons by activation frequency or by "
                                             "Wanda's score |W| ||x|| (wanda) \\[frequency]."),
+    max_quality_loss: Optional[str] = typer.Option(None, "--max-quality-loss", help="Choose the predictor's "
+                                                   "thresholds to keep predicted mode's perplexity on held-out "
+                                                   "calibration text within this of dense's (1%, 0.01)."),
     force: bool = typer.Option(False, "--force", help="Replace an existing lsparse image (never any other folder)."),
 ):
     """Calibrate a checkpoint layer by layer and write its flash image."""
-    from rich.console import Console
-    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from lsparse.image.compile import CompileOptions, compile_image, load_preset
+    from lsparse.image.compile import CompileOptions, load_preset
+    from lsparse.sizes import parse_share
     settings = load_preset(config) if config else {}
     given = {"calib_tokens": calib_tokens, "bits": bits, "group_size": group_size, "hot_fraction": hot_fraction,
              "predictor": predictor, "rank": rank, "recall": recall, "threshold_sparsity": threshold_sparsity,
-             "layout": layout, "threshold_on": threshold_on, "resident_bits": resident_bits, "residency": residency}
+             "layout": layout, "threshold_on": threshold_on, "resident_bits": resident_bits, "residency": residency,
+             "max_quality_loss": None if max_quality_loss is None else parse_share(max_quality_loss,
+                                                                                   "--max-quality-loss")}
     settings.update({k: v for k, v in given.items() if v is not None})  # the command line wins over a preset
     options = CompileOptions(force=force, **settings)
     if calib:
         options.calib = calib
+    manifest = _compile_with_progress(source, output, options)
+    from lsparse.image.inspect import describe_image, print_image
+    print_image(describe_image(output, manifest))
+
+
+def _compile_with_progress(source: str, output: str, options):
+    """compile_image with a progress bar on the terminal (layers written; each predictor's epochs)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from lsparse.image.compile import compile_image
+    from lsparse.runtime.gate import gate_thresholds
     err = Console(stderr=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=err, transient=True, disable=not err.is_terminal) as bar:
@@ -109,11 +124,13 @@ def compile_(
             bar.update(training, description=f"training the predictor of layer {layer}", completed=done,
                        total=total, visible=done < total)
 
-        manifest = compile_image(source, output, options,
-                                 progress=lambda done, total: bar.update(task, completed=done, total=total),
-                                 training_progress=on_epoch)
-    from lsparse.image.inspect import describe_image, print_image
-    print_image(describe_image(output, manifest))
+        def gate(*args):
+            bar.update(task, description="choosing thresholds for the quality bound (decoding held-out text)")
+            return gate_thresholds(*args)
+
+        return compile_image(source, output, options,
+                             progress=lambda done, total: bar.update(task, completed=done, total=total),
+                             training_progress=on_epoch, gate=gate)
 
 
 @app.command()

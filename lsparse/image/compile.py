@@ -58,12 +58,17 @@ class CompileOptions:
     layout: str = "coactivation"      # or "natural": cold neurons in id order (the ablation bench runs)
     resident_bits: int = 16           # attention and embedding matrices: fp16, or 4/8-bit rows in groups of group_size
     residency: str = "frequency"      # hot neurons by activation frequency, or by Wanda's score |W| ||x|| alone
+    max_quality_loss: float | None = None  # the predictor thresholds chosen to keep perplexity within this share
     force: bool = False
 
 
 PRESETS = files("lsparse.presets")
 PRESET_KEYS = ("calib_tokens", "bits", "group_size", "hot_fraction", "predictor", "rank", "recall",
-               "threshold_sparsity", "predictor_epochs", "layout", "threshold_on", "resident_bits", "residency")
+               "threshold_sparsity", "predictor_epochs", "layout", "threshold_on", "resident_bits", "residency",
+               "max_quality_loss")
+# The recalls a quality gate may choose among: each layer's threshold for each, on its training tokens, is in its
+# figures (recall_thresholds), so that a gate can move every layer's threshold by one knob
+RECALL_GRID = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99, 0.995, 0.999, 1.0)
 LAYOUTS = ("coactivation", "natural")
 RESIDENCY = ("frequency", "wanda")
 THRESHOLD_ON = ("gate", "product")
@@ -135,10 +140,11 @@ def _layer_mask(cal, args, options: CompileOptions, tr: slice) -> tuple[float, n
 
 
 def _layer_predictor(cal, arch, options: CompileOptions, active, acts, rank: int, tr: slice, ho: slice,
-                     on_epoch) -> tuple[dict, float | None, dict]:
-    """(the predictor's tensors, its threshold, its held-out quality)."""
+                     on_epoch) -> tuple[dict, float | None, dict, list]:
+    """(the predictor's tensors, its threshold, its held-out quality, [recall, threshold] for each of
+    RECALL_GRID)."""
     if options.predictor == "exact":
-        return {}, None, prediction_quality(active[ho], active[ho], acts[ho])
+        return {}, None, prediction_quality(active[ho], active[ho], acts[ho]), []
     w, x = cal.weights, cal.inputs
     if options.predictor == "svd":
         proj = w[arch.EXACT_PROJECTION]
@@ -147,7 +153,8 @@ def _layer_predictor(cal, arch, options: CompileOptions, active, acts, rank: int
         tensors = train_lowrank(x[tr], active[tr], rank, epochs=options.predictor_epochs, on_epoch=on_epoch)
     s = predictor_scores(options.predictor, tensors, x)
     threshold = threshold_for_recall(s[tr], active[tr], options.recall)
-    return tensors, threshold, prediction_quality(s[ho] > threshold, active[ho], acts[ho])
+    table = [[r, threshold_for_recall(s[tr], active[tr], r)] for r in RECALL_GRID]
+    return tensors, threshold, prediction_quality(s[ho] > threshold, active[ho], acts[ho]), table
 
 
 def _layout_figures(active_held: np.ndarray, cold: np.ndarray, cold_order: np.ndarray, d_ff: int, size: int,
@@ -172,8 +179,8 @@ def _compile_layer(cal, arch, args, options: CompileOptions, train_n: int, write
     cold = np.setdiff1d(np.arange(d_ff), hot)
     cold_order = cold[coactivation_order(active[tr][:, cold])] if options.layout == "coactivation" else cold
     rank = layer_rank(options.rank, cal.index, args.num_hidden_layers)
-    predictor, predictor_threshold, quality = _layer_predictor(cal, arch, options, active, acts, rank, tr, ho,
-                                                               on_epoch)
+    predictor, predictor_threshold, quality, recall_thresholds = _layer_predictor(cal, arch, options, active, acts,
+                                                                                  rank, tr, ho, on_epoch)
 
     bundles = encode_bundles(w, arch.BUNDLE, np.arange(d_ff), options.bits, options.group_size)  # (d_ff, stride)
     decoded = decode_bundles(bundles, arch.BUNDLE, w["down"].shape[0], options.bits, options.group_size)
@@ -193,7 +200,8 @@ def _compile_layer(cal, arch, args, options: CompileOptions, train_n: int, write
     held = layer_stats(active[ho], [active[ho].shape[0]])
     figures = {"predictor": quality, "held_out_hot_share": float(active[ho][:, hot].sum() / max(active[ho].sum(), 1)),
                "held_out_window_union": held["window_union_fraction"], "quantization_error": quant_error,
-               "layout": _layout_figures(active[ho], cold, cold_order, d_ff, bundles.shape[1], options)}
+               "layout": _layout_figures(active[ho], cold, cold_order, d_ff, bundles.shape[1], options),
+               "recall_thresholds": recall_thresholds}
     return Layer(index=cal.index, d_ff=d_ff, hot=hot, cold_order=cold_order, region=region, threshold=threshold,
                  threshold_on=options.threshold_on, predictor_rank=None if options.predictor == "exact" else rank,
                  predictor_threshold=predictor_threshold, active_fraction=float(active.mean()),
@@ -201,9 +209,8 @@ def _compile_layer(cal, arch, args, options: CompileOptions, train_n: int, write
                  max_predicted_fraction=quality["max_predicted_fraction"], figures=figures)
 
 
-def compile_image(spec: str, out: str, options: CompileOptions, progress=None, training_progress=None) -> Manifest:
-    """Write the image of `spec` to `out`; returns its manifest. Nothing is left at `out` unless it completes.
-    progress(layers done, layers); training_progress(layer, epochs done, epochs) while a predictor trains."""
+def _check_options(options: CompileOptions, gate) -> None:
+    """Options compile cannot use, refused before any work."""
     if options.predictor not in KINDS:
         raise LsparseError(f"unknown predictor {options.predictor!r} (choose from {', '.join(KINDS)})")
     if options.threshold_on not in THRESHOLD_ON:
@@ -212,6 +219,22 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None, t
         raise LsparseError(f"unknown residency {options.residency!r} (choose from {', '.join(RESIDENCY)})")
     if options.layout not in LAYOUTS:
         raise LsparseError(f"unknown layout {options.layout!r} (choose from {', '.join(LAYOUTS)})")
+    if options.max_quality_loss is not None and (options.predictor == "exact" or
+                                                 not 0 < options.max_quality_loss < 10):
+        raise LsparseError("--max-quality-loss (a share above 0%) chooses a predictor's thresholds: it needs "
+                           "--predictor lowrank or svd")
+    if options.max_quality_loss is not None and gate is None:
+        raise LsparseError("a quality bound needs its gate: compile_image(..., gate=lsparse.runtime.gate."
+                           "gate_thresholds)")
+
+
+def compile_image(spec: str, out: str, options: CompileOptions, progress=None, training_progress=None,
+                  gate=None) -> Manifest:
+    """Write the image of `spec` to `out`; returns its manifest. Nothing is left at `out` unless it completes.
+    progress(layers done, layers); training_progress(layer, epochs done, epochs) while a predictor trains.
+    gate(path, manifest, held-out windows, bound) -> manifest: with options.max_quality_loss, the step that
+    chooses the predictor thresholds by decoding the image written so far (lsparse/runtime/gate.py)."""
+    _check_options(options, gate)
     check_target(Path(out), options.force, "image")  # before the minutes of work, not only at the end
     checkpoint = resolve(spec)
     if checkpoint.tokenizer is None:
@@ -238,7 +261,7 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None, t
             if progress:
                 progress(cal.index + 1, args.num_hidden_layers)
         tokens = sum(len(w) for w in windows)
-        return writer.finish(
+        manifest = writer.finish(
             config=checkpoint.config, source=checkpoint.location, lsparse_version=__version__,
             created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             bundle=BundleLayout(components=tuple(arch.BUNDLE), exact_prefix=arch.EXACT_PREFIX,
@@ -249,3 +272,7 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None, t
             predictor=options.predictor, recall_target=options.recall,
             calibration=Calibration(text=str(options.calib), tokens=tokens, held_out_tokens=tokens - train_n),
             options={k: getattr(options, k) for k in PRESET_KEYS}, layers=tuple(layers), synthetic=None)
+        if options.max_quality_loss is None:
+            return manifest
+        held_out = windows[int(np.searchsorted(np.cumsum([len(w) for w in windows]), train_n)) + 1:]
+        return writer.rewrite(gate(writer.root, manifest, held_out, options.max_quality_loss))

@@ -46,7 +46,8 @@ def describe_image(image, manifest: Manifest | None = None) -> dict:
             "calibration": dataclasses.asdict(m.calibration),
             "bundle_stride": m.bundle.stride, "bytes": total,
             "components": {k: {"bytes": v, "share": v / total} for k, v in components.items()},
-            "neuron_file_bytes": m.files[NEURONS].size, "layers": layers}
+            "neuron_file_bytes": m.files[NEURONS].size, "layers": layers,
+            "quality_gate": m.layers[0].figures.get("quality_gate")}
 
 
 def print_image(summary: dict) -> None:
@@ -76,3 +77,13 @@ def print_image(summary: dict) -> None:
                       f"{r['natural']:.1f}>{r['coactivation']:.1f}",
                       f"{m['natural'] / 1e3:.1f}>{m['coactivation'] / 1e3:.1f}", f"{s['quantization_error']:.4f}")
     console.print(table)
+    g = summary.get("quality_gate")
+    if g:
+        oracle = "" if g["oracle_perplexity"] is None else (f"; oracle (the true masks at the compiled cut): "
+                                                            f"{g['oracle_perplexity']:.3f}")
+        console.print(f"Quality gate: recall {g['recall']} for at most {g['bound']:.1%} more perplexity than dense on "
+                      f"{g['tokens']} held-out calibration tokens: deployable (predicted mode) "
+                      f"{g['perplexity']:.3f} against dense {g['dense_perplexity']:.3f} "
+                      f"({g['perplexity'] / g['dense_perplexity'] - 1:+.2%}), {g['used_fraction']:.1%} of the "
+                      f"neurons computed per token{oracle}. The table's predictor figures are at the recall compile "
+                      f"aimed at before the gate.")

@@ -71,10 +71,15 @@ class ImageWriter:
         files = {name: FileEntry(size=self.path(name).stat().st_size,
                                  sha256=self._known_sha256.get(name) or sha256_file(self.path(name)))
                  for name in names}
-        text = Manifest(files=files, **fields).to_json()
-        manifest = Manifest.from_json(text, "the manifest being written")
+        return self.rewrite(Manifest(files=files, **fields))
+
+    def rewrite(self, manifest: Manifest) -> Manifest:
+        """Save `manifest` (the image's, with fields changed by a step that read the image written so far),
+        checked by reading it back as any reader would."""
+        text = manifest.to_json()
+        checked = Manifest.from_json(text, "the manifest being written")
         (self.root / MANIFEST).write_text(text, encoding="utf-8")
-        return manifest
+        return checked
 
 
 @contextmanager

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from lsparse.errors import LsparseError
 from lsparse.kernels.backends import KERNELS
 from lsparse.runtime.reader import DEFAULT_READERS
-from lsparse.sizes import parse_size
+from lsparse.sizes import parse_share, parse_size
 
 MODES = ("exact", "predicted", "dense", "hybrid")
 FLOCK_RULES = ("add", "within", "core")  # runtime/flock.py
@@ -86,10 +86,7 @@ def parse_budget(text: str | None, image=None) -> int | None:
     if not text.strip():
         raise LsparseError("--ram-budget is empty (examples: 512MB, 2GB, 50%)")
     if text.strip().endswith("%"):
-        try:
-            share = float(text.strip()[:-1]) / 100
-        except ValueError:
-            raise LsparseError(f"cannot read the share {text!r} (example: 50%)") from None
+        share = parse_share(text, "--ram-budget")
         if not 0 < share <= 10 or image is None:
             raise LsparseError(f"--ram-budget {text}: a share must be above 0% and of an image")
         return int(share * image.model_bytes())
