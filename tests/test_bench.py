@@ -21,7 +21,7 @@ def ladder(tmp_path_factory):
     compile_image("builtin:tinystories-reglu", str(root / "image"), options)
     done = lsparse("bench", str(root / "image"), "--text", str(text), "--prompts", "1", "--prompt-tokens", "32",
                    "--gen-tokens", "32", "--quality-tokens", "256", "--budgets", "0.9", "--cache-bias", "1,4",
-                   "--flock", "0.9", "--max-quality-loss", "0.3", "--json",
+                   "--flock", "0.9", "--max-quality-loss", "0.3", "--kv-top-k", "16", "--json",
                    "--csv", str(root / "ladder.csv"), "--plot", str(root / "ladder.png"), timeout=600)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
@@ -35,7 +35,7 @@ def ppl(row):
 
 
 def test_every_rung_ran_and_wrote_csv_and_plot(ladder):
-    added = ["+cache-aware 1", "+cache-aware 4", "+flock core 0.9", "+gated 30.0%"]
+    added = ["+cache-aware 1", "+cache-aware 4", "+flock core 0.9", "+gated 30.0%", "+sparq 16"]
     assert list(ladder["by_rung"]) == [r.name for r in LADDER] + added
     with open(ladder["root"] / "ladder.csv", newline="") as f:
         ran = [row for row in ladder["sweep"] if "refused" not in row]
@@ -134,3 +134,14 @@ def test_the_gated_rung_runs_an_image_compiled_for_its_bound(ladder):
     assert r["bytes_needed_per_token"] > 0 and ppl(r) != ppl(ladder["by_rung"]["+4-bit"])
     variant = Image.open(ladder["root"] / "image.variants" / "4bit-gated-0.3").manifest
     assert variant.option("max_quality_loss") == 0.3 and variant.layers[0].figures["quality_gate"]["bound"] == 0.3
+
+
+def test_the_sparq_rungs_read_part_of_the_attention_cache(ladder):
+    """+sparq 16 reads 16 keys and values a step (and a quarter of each key's components to rank them) of up to
+    64: fewer attention bytes than full attention, the same FFN reads' kind as +4-bit, a perplexity of its own.
+    +sparq (64 keys) never has more than 64 keys to choose from in generation: it reads no attention bytes."""
+    r = ladder["by_rung"]
+    sparq = r["+sparq 16"]
+    assert 0 < sparq["attention_bytes_per_token"] < sparq["attention_full_bytes_per_token"]
+    assert ppl(sparq) != ppl(r["+4-bit"]) and r["+4-bit"]["attention_bytes_per_token"] == 0
+    assert r["+sparq"]["attention_bytes_per_token"] == 0

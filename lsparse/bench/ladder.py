@@ -37,6 +37,8 @@ class BenchOptions:
     cache_biases: tuple = ()                     # a +cache-aware rung for each (DIP's knob: bytes against quality)
     flock_shares: tuple = ()                     # a +flock core rung for each (GRIFFIN's knob: the flock's size)
     quality_bounds: tuple = ()                   # a +gated rung for each: an image compiled with that bound
+    kv_top_ks: tuple = ()                        # a +sparq rung for each (SparQ's k)
+    quality_window: int = 512                    # tokens of each perplexity window (long context: SparQ)
     workers: int = DEFAULT_READERS
     synthetic: bool = False                      # set by bench() for synthetic images
 
@@ -55,7 +57,8 @@ def prompt_and_quality_windows(tokenizer, options: BenchOptions) -> tuple[list[l
     if len(prompts) < options.prompts:
         raise LsparseError(f"{options.texts[0]}: fewer than {options.prompts} documents of "
                            f"{options.prompt_tokens} tokens for prompts")
-    windows = {str(t): limit_tokens(token_windows(tokenizer, read_documents(t), 512), options.quality_tokens)
+    windows = {str(t): limit_tokens(token_windows(tokenizer, read_documents(t), options.quality_window),
+                                    options.quality_tokens)
                for t in options.texts}
     return prompts, windows
 
@@ -66,7 +69,7 @@ def _check_rungs(options: BenchOptions, synthetic: bool) -> list[Rung]:
     if options.rungs is not None and len(rungs) != len(options.rungs):
         unknown = sorted(set(options.rungs) - {r.name for r in ladder})
         raise LsparseError(f"unknown rung(s) {', '.join(unknown)} (known here: {', '.join(r.name for r in ladder)})")
-    if (options.cache_biases or options.flock_shares or options.quality_bounds) and synthetic:
+    if (options.cache_biases or options.flock_shares or options.quality_bounds or options.kv_top_ks) and synthetic:
         raise LsparseError("--cache-bias, --flock and --max-quality-loss need a real model's activations: a "
                            "synthetic image replays its masks")
     if not all(0 < b < 10 for b in options.quality_bounds):
@@ -76,6 +79,8 @@ def _check_rungs(options: BenchOptions, synthetic: bool) -> list[Rung]:
         + [Rung(f"+flock core {share:g}", "4bit-hot", "predicted", flock=share, flock_rule="core",
                 note=f"every neuron of a flock of {share:.0%} (GRIFFIN)") for share in options.flock_shares]
     added += [gated_rung(bound) for bound in options.quality_bounds]
+    added += [Rung(f"+sparq {int(k)}", "4bit-hot", "predicted", kv_top_k=int(k),
+                   note=f"SparQ attention, {int(k)} keys a step") for k in options.kv_top_ks]
     for rung in added:  # a knob out of range refused now, not in the rung's process
         rung.decode_options(1, 1)
     return rungs + added
@@ -89,7 +94,7 @@ def _run_rungs(rungs: list[Rung], images: dict, prompts, windows, options: Bench
     for rung in rungs:
         progress(f"rung {rung.name}")
         key = (rung.variant, "dense" if rung.mode in ("naive", "dense") else rung.mode, rung.correct_every,
-               rung.cache_bias, rung.flock, rung.flock_rule)
+               rung.cache_bias, rung.flock, rung.flock_rule, rung.kv_top_k)
         spec = {"rung": asdict(rung), "image": str(images[rung.variant]), "prompts": prompts,
                 "gen_tokens": options.gen_tokens, "workers": options.workers, "context": context,
                 "quality": {} if key in quality_done else windows}
@@ -160,7 +165,7 @@ def bench(image, options: BenchOptions, progress=print) -> dict:
     rows = [summary(r, results[r.name], references["4bit" if r.variant.startswith("4bit") else "fp16"])
             for r in rungs]
     full = next((r for r in rungs if r.name == "+4-bit"), None)
-    full_quality = quality_done.get((full.variant, full.mode, None, 0.0, None, "add"), {}) if full else {}
+    full_quality = quality_done.get((full.variant, full.mode, None, 0.0, None, "add", None), {}) if full else {}
     sweep = _sweep(full, images[full.variant], prompts, options, context, full_quality, progress) \
         if full and options.budgets else []
     return {"image": str(image), "source": meta.source, "synthetic": asdict(meta.synthetic) if meta.synthetic else None,

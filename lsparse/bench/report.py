@@ -35,6 +35,8 @@ def summary(rung: Rung, result: dict, reference: dict | None) -> dict:
                     if f["read_ms_per_token"] else None,
                     "io_ms": f["io_ms_per_token"], "read_ms": f["read_ms_per_token"], "mem_ms": f["mem_ms_per_token"],
                     "compute_ms": f["compute_ms_per_token"], "cache_hit_rate": f["cache_hit_rate"],
+                    "attention_bytes_per_token": f.get("attention_bytes_per_token"),
+                    "attention_full_bytes_per_token": f.get("attention_full_bytes_per_token"),
                     "direct_io": all(r["direct_io"] for r in result["flash"]),
                     "gap_bytes": f["gap_bytes"], "gap_rule": result["flash"][0]["gap_rule"]})
     else:
@@ -100,7 +102,8 @@ CSV_COLUMNS = ("rung", "mode", "window", "bundled", "budget_bytes", "prompt_byte
                "reads_per_token", "mean_read_bytes", "effective_gbps", "io_ms", "read_ms", "mem_ms", "compute_ms",
                "tokens_per_second", "peak_memory_bytes", "planned_ram_bytes", "model_ram_bytes", "cache_hit_rate",
                "gap_bytes",
-               "greedy_agreement", "identical_prefix_tokens", "corrected_share", "tokens_per_dense_pass")
+               "greedy_agreement", "identical_prefix_tokens", "corrected_share", "tokens_per_dense_pass",
+               "attention_bytes_per_token", "attention_full_bytes_per_token")
 
 
 def write_csv(result: dict, path) -> None:

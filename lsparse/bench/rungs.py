@@ -50,6 +50,7 @@ class Rung:
     cache_bias: float = 0.0           # cache-aware masks (DIP): runtime/predictors.py Scored
     flock: float | None = None        # flocking (GRIFFIN): runtime/flock.py
     flock_rule: str = "add"
+    kv_top_k: int | None = None       # SparQ attention: model/sparq.py
     note: str = ""
 
     def decode_options(self, readers: int, context: int) -> DecodeOptions:
@@ -58,7 +59,7 @@ class Rung:
                              bundled=self.bundled, gap_bytes=self.gap_bytes, ram_budget=self.budget,
                              lookahead=self.lookahead, kernels=self.kernels, readers=readers, context=context,
                              correct_every=self.correct_every, cache_bias=self.cache_bias, flock=self.flock,
-                             flock_rule=self.flock_rule)
+                             flock_rule=self.flock_rule, kv_top_k=self.kv_top_k)
 
 
 LADDER = [
@@ -87,6 +88,9 @@ LADDER = [
          note="every neuron of the flock, no predictor (GRIFFIN as published)"),
     Rung("exact+flock", "4bit-hot", "exact", flock=0.5,
          note="exact gating, the flock pinned after the prompt: lossless, fewer reads"),
+    Rung("+sparq", "4bit-hot", "predicted", kv_top_k=64,
+         note="SparQ attention: 64 keys and values read whole a step, ranked by a quarter of each query's "
+              "components: against +4-bit"),
     Rung("exact 4-bit", "4bit-hot", "exact", note="gate resident: lossless against dense 4-bit"),
     Rung("dense 4-bit", "4bit-hot", "dense", note="every weight in RAM"),
     Rung("dense fp16", "fp16-natural", "dense", note="every weight in RAM: the reference"),

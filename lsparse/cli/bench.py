@@ -39,11 +39,11 @@ def bench(
     plot: Optional[str] = typer.Option(None, "--plot", help="Also write a PNG of latency against RAM here."),
     cache_bias: str = typer.Option("", "--cache-bias", help="Add a +cache-aware rung (DIP: predicted mode, "
                                    "masks favouring cached neurons) for each of these biases, e.g. 0.5,1,2."),
-    flock: str = typer.Option("", "--flock", help="Add a +flock core rung (GRIFFIN: every neuron of the prompt's "
-                              "flock, no predictor) for each of these shares of a layer, e.g. 0.7,0.9."),
-    max_quality_loss: str = typer.Option("", "--max-quality-loss", help="Add a +gated rung for each of these "
-                                         "bounds (0.01 is 1%): an image whose predictor thresholds compile chose "
-                                         "to keep held-out perplexity within the bound of dense's."),
+    flock: str = typer.Option("", "--flock", help="Add a +flock core rung (GRIFFIN) per flock share, e.g. 0.7,0.9."),
+    max_quality_loss: str = typer.Option("", "--max-quality-loss", help="Add a +gated rung per bound (0.01: 1%): "
+                                         "an image compiled with --max-quality-loss."),
+    kv_top_k: str = typer.Option("", "--kv-top-k", help="Add a +sparq rung (SparQ) per keys read a step, e.g. 32,128."),
+    quality_window: int = typer.Option(512, "--quality-window", min=16, help="Tokens of each perplexity window."),
     model: bool = typer.Option(False, "--model", help="kernels: the Metal kernels' PREDICTED cost on Apple chips "
                                "(bytes, threadgroups, time floors at each chip's bandwidth), nothing timed."),
 ):
@@ -68,7 +68,8 @@ def bench(
                            variants_dir=Path(variants) if variants else None,
                            rungs=[r.strip() for r in rungs.split(",")] if rungs else None, workers=readers,
                            cache_biases=numbers(cache_bias, "--cache-bias"), flock_shares=numbers(flock, "--flock"),
-                           quality_bounds=numbers(max_quality_loss, "--max-quality-loss"))
+                           quality_bounds=numbers(max_quality_loss, "--max-quality-loss"),
+                           kv_top_ks=numbers(kv_top_k, "--kv-top-k"), quality_window=quality_window)
     _ladder(image, options, as_json, csv, plot, err)
 
 

@@ -40,6 +40,11 @@ SHARED = {
                                                "the flock cached), within (the mask kept to the flock: no reads "
                                                "after the prompt) or core (every flock neuron, no predictor; "
                                                "predicted mode) \\[add].")),
+    "kv_top_k": (Optional[int], typer.Option(None, "--kv-top-k", help="Images: SparQ attention: each decoding "
+                                             "step reads the K keys and values its approximate scores rank "
+                                             "highest (and the values' mean), not all of them.")),
+    "kv_rank": (Optional[int], typer.Option(None, "--kv-rank", help="With --kv-top-k: the query components the "
+                                            "approximate scores use \\[a quarter of the head's].")),
     "temp": (float, typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")),
     "top_p": (float, typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the smallest set with this mass.")),
     "seed": (Optional[int], typer.Option(None, "--seed", help="Random seed for sampling.")),
@@ -73,6 +78,8 @@ class ModelChoice:
     cache_bias: float | None
     flock: float | None
     flock_rule: str | None
+    kv_top_k: int | None
+    kv_rank: int | None
     temp: float
     top_p: float
     seed: int | None
@@ -92,6 +99,7 @@ class ModelChoice:
         from lsparse.image.image import is_image
         image_only = {"--mode": self.mode, "--window": self.window, "--threshold": self.threshold,
                       "--cache-bias": self.cache_bias, "--flock": self.flock, "--flock-rule": self.flock_rule,
+                      "--kv-top-k": self.kv_top_k, "--kv-rank": self.kv_rank,
                       "--ram-budget": self.ram_budget, "--kernels": self.kernels, "--packed": self.packed or None,
                       "--readers": self.readers, "--buffered": self.buffered or None,
                       "--lookahead": self.lookahead or None}
@@ -116,7 +124,8 @@ class ModelChoice:
             raise LsparseError(f"--packed means --kernels mlx; it cannot go with --kernels {self.kernels}")
         given = {"mode": self.mode or ("dense" if self.dense else "exact"), "window": self.window,
                  "threshold_shift": self.threshold, "cache_bias": self.cache_bias, "flock": self.flock,
-                 "flock_rule": self.flock_rule, "ram_budget": budget,
+                 "flock_rule": self.flock_rule, "kv_top_k": self.kv_top_k, "kv_rank": self.kv_rank,
+                 "ram_budget": budget,
                  "kernels": "mlx" if self.packed else self.kernels or "auto", "readers": self.readers,
                  "direct": not self.buffered, "lookahead": self.lookahead}
         return DecodeOptions(**{k: v for k, v in given.items() if v is not None})

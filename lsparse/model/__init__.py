@@ -30,8 +30,9 @@ def architecture(config: dict):
 class Model:
     """Dense decoder: every weight resident. The baseline each sparse mode is measured against."""
 
-    def __init__(self, arch, args, globals_: dict, layers: list[dict], xp):
+    def __init__(self, arch, args, globals_: dict, layers: list[dict], xp, sparq=None):
         self.arch, self.args, self.globals, self.layers, self.xp = arch, args, globals_, layers, xp
+        self.sparq = sparq  # a SparQ (model/sparq.py): decoding steps attend SparQ's way; None: in full
 
     @property
     def context_length(self) -> int:
@@ -40,6 +41,9 @@ class Model:
     def make_cache(self, max_len: int | None = None) -> list[KVCache]:
         n_kv, head_dim = self.arch.kv_shape(self.args)
         length = max_len or self.context_length
+        if self.sparq is not None:
+            from lsparse.model.sparq import SparQCache
+            return [SparQCache(self.xp, n_kv, length, head_dim, self.sparq) for _ in self.layers]
         return [KVCache(self.xp, n_kv, length, head_dim) for _ in self.layers]
 
     def __call__(self, tokens, cache: list[KVCache], ffn_fns: list | None = None):

@@ -69,6 +69,7 @@ def apply_rope(x, positions: np.ndarray, inv_freq: np.ndarray, xp):
 
 class KVCache:
     """Keys and values of one layer, preallocated for the whole context."""
+    sparq = None  # a SparQCache's (model/sparq.py) attention knobs; None: full attention
 
     def __init__(self, xp, n_kv_heads: int, max_len: int, head_dim: int):
         self.keys = xp.zeros((n_kv_heads, max_len, head_dim), dtype=xp.float32)
@@ -89,6 +90,8 @@ def attention(q, k, v, cache: KVCache, positions: np.ndarray, scale: float, xp, 
     keys, values = cache.update(k, v)
     n_heads, t, head_dim = q.shape
     n_kv, s = keys.shape[0], keys.shape[1]
+    if cache.sparq is not None and cache.applies(t, s, window):
+        return cache.attend(q, keys, values, scale)
     group = n_heads // n_kv
     scores = (q.reshape(n_kv, group * t, head_dim) @ keys.transpose(0, 2, 1)) * scale
     key_pos = np.arange(s)

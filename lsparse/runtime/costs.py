@@ -23,6 +23,8 @@ class TokenCost:
     lookahead_used: int = 0    # needed neurons that a lookahead read had already brought
     lookahead_wasted: int = 0  # neurons read ahead that the layer did not need
     missed: int = 0            # active neurons the predictor left out (known only where masks are replayed)
+    attention_bytes: int = 0       # keys and values SparQ attention read (model/sparq.py)
+    attention_full_bytes: int = 0  # ... and what full attention would have read at those steps
 
 
 @dataclass
@@ -73,4 +75,6 @@ def flash_report(steps: list[TokenCost], dense_ffn_bytes: int, tokens: int | Non
             "overlap_ms_per_token": max(0.0, 1e3 * (mean("read_s") - mean("io_s"))),
             "mem_ms_per_token": 1e3 * mean("mem_s"), "compute_ms_per_token": 1e3 * mean("compute_s"),
             "lookahead_used_per_token": mean("lookahead_used"),
-            "lookahead_wasted_per_token": mean("lookahead_wasted"), "missed_per_token": mean("missed")}
+            "lookahead_wasted_per_token": mean("lookahead_wasted"), "missed_per_token": mean("missed"),
+            "attention_bytes_per_token": mean("attention_bytes"),
+            "attention_full_bytes_per_token": mean("attention_full_bytes")}

@@ -10,6 +10,7 @@ from lsparse.image.image import Image
 from lsparse.kernels import backends
 from lsparse.model import Model, architecture
 from lsparse.model.backend import array_module
+from lsparse.model.sparq import SparQ
 from lsparse.runtime import predictors
 from lsparse.runtime.cache import NeuronCache
 from lsparse.runtime.costs import CostLog, flash_report
@@ -36,7 +37,8 @@ class ImageModel:
         self.flock = flock  # with --flock: each layer's FlockPrefill, for a sequence's first call
         self.fetcher, self.kernels, self.gap, self.trace = fetcher, kernels, gap, trace
         self.xp, self.make_cache, self.context_length = model.xp, model.make_cache, model.context_length
-        self.token_by_token = isinstance(ffns[0], PagedFFN) if ffns else False
+        # SparQ attends its way one query at a time: its model takes every call token by token
+        self.token_by_token = (isinstance(ffns[0], PagedFFN) if ffns else False) or model.sparq is not None
 
     def __call__(self, tokens, cache, ffn_fns=None):
         if ffn_fns is not None:
@@ -48,11 +50,14 @@ class ImageModel:
             return self.model(tokens, cache, self.ffns)
         # A prompt goes through token by token, as decoding does: a neuron cache sized for one token's
         # neurons need not hold the union of a whole prompt's (and a replayed trace moves one token a step).
-        out = []
+        out, before = [], _attention_reads(cache)
         for t in tokens:
             if self.trace is not None:
                 self.trace.step()
             out.append(self.model([t], cache, self.ffns))
+        after = _attention_reads(cache)
+        self.costs.now.attention_bytes, self.costs.now.attention_full_bytes = (after[0] - before[0],
+                                                                               after[1] - before[1])
         return self.xp.concatenate(out)
 
     def verify(self, tokens, cache):
@@ -75,6 +80,11 @@ class ImageModel:
     def close(self) -> None:
         if self.fetcher is not None:
             self.fetcher.close()
+
+
+def _attention_reads(cache) -> tuple[int, int]:
+    """(bytes SparQ attention has read from these layers' caches, what full attention would have)."""
+    return (sum(getattr(c, "bytes_read", 0) for c in cache), sum(getattr(c, "bytes_full", 0) for c in cache))
 
 
 def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[ImageModel, object]:
@@ -125,7 +135,9 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
         for this, nxt in zip(ffns, ffns[1:], strict=False):
             this.next = nxt
     globals_ = held(image.resident("globals", ("embed",) * bool(memory.mapped) + ("lm_head",) * memory.head_mapped))
-    model = Model(arch, args, globals_, layers, xp)
+    sparq = None if options.kv_top_k is None else SparQ(options.kv_rank or max(1, args.head_dim // 4),
+                                                        options.kv_top_k)
+    model = Model(arch, args, globals_, layers, xp, sparq)
     read_ahead_in_turn([[w[k] for k in arch.MATRICES if k in w] for w in layers] +
                        [[globals_.get("lm_head", globals_["embed"])]])
     return ImageModel(image, model, ffns, costs, memory, fetcher, backend, gap, trace, verifiers or None,

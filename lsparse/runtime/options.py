@@ -32,6 +32,8 @@ class DecodeOptions:
     correct_margin: float | None = None  # ... and sooner where the top two logits are closer than this
     flock: float | None = None      # a sequence's flock: this share of each layer's neurons, chosen from its prompt
     flock_rule: str = "add"         # add, within or core: how the flock shapes later masks (runtime/flock.py)
+    kv_top_k: int | None = None     # SparQ attention (model/sparq.py): the keys a decoding step reads whole
+    kv_rank: int | None = None      # ... and the key components it ranks them by [a quarter of head_dim]
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -55,6 +57,10 @@ class DecodeOptions:
         if self.correct_margin is not None and (self.correct_every is None or not self.correct_margin >= 0):
             raise LsparseError("--correct-margin (at least 0) goes with --correct-every")
         self._check_flock()
+        if (self.kv_top_k is not None and self.kv_top_k < 1) or (self.kv_rank is not None and (
+                self.kv_rank < 1 or self.kv_top_k is None)):
+            raise LsparseError("--kv-top-k K (at least 1) turns on SparQ attention; --kv-rank R (at least 1) goes "
+                               "with it")
         if self.gap_bytes is not None and self.gap_bytes < 0:
             raise LsparseError(f"the read-through gap must be at least 0, got {self.gap_bytes}")
 

@@ -1,0 +1,77 @@
+"""SparQ attention (Ribar et al. 2023, "SparQ Attention: Bandwidth-Efficient LLM Inference"): a decoding step
+reads r of each key's head_dim components, those where the query is largest, to approximate the attention
+scores; then only the k keys and values those scores rank highest, whole. The values it leaves out enter
+through their mean, weighted by the share of the approximate attention they would have had.
+
+A SparQCache is a KVCache whose one-token steps attend this way once it holds more than k keys (a prompt's
+tokens, several at a time, attend in full); it counts the bytes each such step reads of the cache (per
+key-value head, the key columns and whole keys and values that any of its query heads chose), against what full
+attention reads (every key and value).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from lsparse.errors import LsparseError
+from lsparse.model.layers import KVCache, softmax
+
+F32 = 4
+
+
+@dataclass(frozen=True)
+class SparQ:
+    rank: int   # r: the query's largest components whose key columns are read
+    top_k: int  # k: the keys (and their values) read whole
+
+    def __post_init__(self):
+        if self.rank < 1 or self.top_k < 1:
+            raise LsparseError(f"SparQ needs a rank and a top k of at least 1, got {self.rank} and {self.top_k}")
+
+
+class SparQCache(KVCache):
+    def __init__(self, xp, n_kv_heads: int, max_len: int, head_dim: int, sparq: SparQ):
+        super().__init__(xp, n_kv_heads, max_len, head_dim)
+        self.sparq, self.xp = sparq, xp
+        self.rank = min(sparq.rank, head_dim)
+        self.value_sum = xp.zeros((n_kv_heads, head_dim), dtype=xp.float32)  # for the values' mean
+        self.bytes_read = 0  # of keys and values, over SparQ's steps
+        self.bytes_full = 0  # what full attention reads at those steps
+
+    def update(self, k, v):
+        self.value_sum = self.value_sum + v.sum(axis=1)
+        return super().update(k, v)
+
+    def applies(self, t: int, s: int, window: int | None) -> bool:
+        """Whether a step of t queries over s keys attends SparQ's way."""
+        return t == 1 and s > self.sparq.top_k and window is None
+
+    def attend(self, q, keys, values, scale: float):
+        """q (heads, 1, head_dim) over keys and values (kv heads, s, head_dim) -> (1, heads * head_dim)."""
+        xp, k = self.xp, self.sparq.top_k
+        n_heads, _, d = q.shape
+        n_kv, s = keys.shape[0], keys.shape[1]
+        kv_of = xp.array(np.arange(n_heads) // (n_heads // n_kv))  # (heads,) each query head's key-value head
+        qf = q[:, 0, :]                                               # (heads, d)
+        top_r = xp.argpartition(-xp.abs(qf), self.rank - 1, axis=-1)[:, : self.rank]  # (heads, r)
+        head_keys = keys[kv_of]                                       # (heads, s, d)
+        columns = xp.take_along_axis(head_keys, top_r[:, None, :], axis=2)  # (heads, s, r): what step 1 reads
+        q_r = xp.take_along_axis(qf, top_r, axis=-1)                  # (heads, r)
+        # the approximate scores' temperature: the share of |q| the r components hold (SparQ's correction)
+        share = xp.abs(q_r).sum(-1) / xp.maximum(xp.abs(qf).sum(-1), 1e-30)
+        approx = softmax((columns @ q_r[..., None])[..., 0] / xp.sqrt(d * share)[:, None], xp)  # (heads, s)
+        top = xp.argpartition(-approx, k - 1, axis=-1)[:, :k]        # (heads, k)
+        alpha = xp.take_along_axis(approx, top, axis=-1).sum(-1)      # (heads,)
+        chosen_keys = xp.take_along_axis(head_keys, top[..., None], axis=1)  # (heads, k, d)
+        chosen_values = xp.take_along_axis(values[kv_of], top[..., None], axis=1)
+        probs = softmax((chosen_keys @ qf[..., None])[..., 0] * scale, xp)  # (heads, k)
+        mean = (self.value_sum / s)[kv_of]                            # (heads, d)
+        out = alpha[:, None] * (probs[:, None, :] @ chosen_values)[:, 0] + (1 - alpha)[:, None] * mean
+        # what the step reads: per key-value head, the key columns and the keys and values its query heads chose
+        columns, rows = (np.asarray(i).reshape(n_kv, n_heads // n_kv, -1) for i in (top_r, top))
+        self.bytes_read += sum(len(np.unique(c)) * s + 2 * len(np.unique(r)) * d
+                               for c, r in zip(columns, rows, strict=True)) * F32
+        self.bytes_full += n_kv * 2 * s * d * F32
+        return out.reshape(1, n_heads * d)
