@@ -83,6 +83,7 @@ def test_the_budget_plans_each_layers_cache_as_its_store_keeps_rows(synthetic, m
         assert budget is None or model.memory_plan.total <= budget
 
 
+@pytest.mark.slow  # 33 s here: three layers written and decoded
 def test_a_whole_geometry_costs_what_it_costs_and_its_predictor_errs(tmp_path):
     """tiny-2-7b: attention and embeddings as 4-bit rows multiplied by the kernels, a vocabulary of its own,
     a predictor of the real shape computed each token, and the trained predictor's masks replayed: its false

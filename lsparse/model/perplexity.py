@@ -26,8 +26,9 @@ def perplexity(model, windows: list[list[int]], ffn_fns: list | None = None) -> 
     return float(np.exp(nll.mean()))
 
 
-def perplexities(model, windows: list[list[int]]) -> tuple[float, float]:
-    """(the windows' perplexity, that of their second halves), each window's first half given as a prompt."""
+def perplexities(model, windows: list[list[int]]) -> tuple[float, float | None]:
+    """(the windows' perplexity, that of their second halves: the tokens the second call predicted, None where
+    no window has any), each window's first half given as a prompt."""
     nll = [negative_log_likelihoods(model, w, prompt=len(w) // 2) for w in windows]
-    return (float(np.exp(np.concatenate(nll).mean())),
-            float(np.exp(np.concatenate([n[len(w) // 2:] for n, w in zip(nll, windows, strict=True)]).mean())))
+    second = np.concatenate([n[len(w) // 2:] for n, w in zip(nll, windows, strict=True)])
+    return float(np.exp(np.concatenate(nll).mean())), float(np.exp(second.mean())) if len(second) else None
