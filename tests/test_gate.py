@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
-from lsparse.image.compile import CompileOptions, calibration_windows
+from lsparse.image.compile import CompileOptions, calibration_windows, held_out_windows
 from lsparse.image.image import Image
 from lsparse.model.perplexity import perplexity
+from lsparse.runtime.gate import threshold_at
 from lsparse.runtime.load import load_image
 from lsparse.source import resolve
 from tests.conftest import lsparse
@@ -33,12 +33,10 @@ def images(tmp_path_factory):
     return {bound: compiled(root, bound) for bound in ("2%", "30%")}
 
 
-def held_out_windows(image: Image) -> list[list[int]]:
+def calibration_held_out(image: Image) -> list[list[int]]:
     """The calibration windows compile held out, found again from the text and options it records."""
     options = CompileOptions(calib=image.manifest.calibration.text, calib_tokens=2048)
-    windows, train_n = calibration_windows(resolve("builtin:tinystories-reglu").tokenizer, options)
-    ends = np.cumsum([len(w) for w in windows])
-    return windows[int(np.searchsorted(ends, train_n)) + 1:]
+    return held_out_windows(*calibration_windows(resolve("builtin:tinystories-reglu").tokenizer, options))
 
 
 def predicted_perplexity(image: Image, windows, recall: float | None = None) -> float:
@@ -46,7 +44,7 @@ def predicted_perplexity(image: Image, windows, recall: float | None = None) -> 
     model, _ = load_image(image.path, mode="predicted")
     if recall is not None:
         for ffn, layer in zip(model.ffns, image.manifest.layers, strict=True):
-            ffn.predictor.threshold = dict(map(tuple, layer.figures["recall_thresholds"]))[recall]
+            ffn.predictor.threshold = threshold_at(layer, recall)
     return perplexity(model, windows)
 
 
@@ -54,7 +52,7 @@ def predicted_perplexity(image: Image, windows, recall: float | None = None) -> 
 def test_the_gated_thresholds_keep_held_out_perplexity_within_the_bound_and_no_lower_recall_does(images, bound,
                                                                                                  share):
     image = images[bound]
-    windows = held_out_windows(image)
+    windows = calibration_held_out(image)
     dense = perplexity(load_image(image.path, mode="dense")[0], windows)
     assert predicted_perplexity(image, windows) <= (1 + share) * dense
     recalls = sorted(r for r, _ in image.manifest.layers[0].figures["recall_thresholds"])

@@ -125,6 +125,11 @@ def calibration_windows(tokenizer, options: CompileOptions) -> tuple[list[list[i
     return windows, train_tokens
 
 
+def held_out_windows(windows: list[list[int]], train_tokens: int) -> list[list[int]]:
+    """The windows after the first `train_tokens` tokens (calibration_windows' split)."""
+    return windows[int(np.searchsorted(np.cumsum([len(w) for w in windows]), train_tokens)) + 1:]
+
+
 def _layer_mask(cal, args, options: CompileOptions, tr: slice) -> tuple[float, np.ndarray, np.ndarray]:
     """(the activation threshold, which neurons are active (N, d_ff), the activations as the image computes
     them): ReLU-family zeros are exact; SwiGLU is cut by magnitude."""
@@ -274,5 +279,5 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None, t
             options={k: getattr(options, k) for k in PRESET_KEYS}, layers=tuple(layers), synthetic=None)
         if options.max_quality_loss is None:
             return manifest
-        held_out = windows[int(np.searchsorted(np.cumsum([len(w) for w in windows]), train_n)) + 1:]
-        return writer.rewrite(gate(writer.root, manifest, held_out, options.max_quality_loss))
+        return writer.rewrite(gate(writer.root, manifest, held_out_windows(windows, train_n),
+                                   options.max_quality_loss))

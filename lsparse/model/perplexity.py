@@ -14,8 +14,7 @@ def negative_log_likelihoods(model, tokens: list[int], ffn_fns: list | None = No
     model whose calls do not depend on how the tokens are split; a flock is chosen from the first call)."""
     cache = model.make_cache(len(tokens))
     calls = [tokens] if prompt is None else [tokens[:prompt], tokens[prompt:]]
-    kwargs = {} if ffn_fns is None else {"ffn_fns": ffn_fns}
-    logits = np.concatenate([to_numpy(model(part, cache, **kwargs)) for part in calls]).astype(np.float64)[:-1]
+    logits = np.concatenate([to_numpy(model(part, cache, ffn_fns)) for part in calls]).astype(np.float64)[:-1]
     logits -= logits.max(axis=-1, keepdims=True)
     log_z = np.log(np.exp(logits).sum(axis=-1))
     return log_z - logits[np.arange(len(tokens) - 1), tokens[1:]]

@@ -56,16 +56,15 @@ class SparQCache(KVCache):
         kv_of = xp.array(np.arange(n_heads) // (n_heads // n_kv))  # (heads,) each query head's key-value head
         qf = q[:, 0, :]                                               # (heads, d)
         top_r = xp.argpartition(-xp.abs(qf), self.rank - 1, axis=-1)[:, : self.rank]  # (heads, r)
-        head_keys = keys[kv_of]                                       # (heads, s, d)
-        columns = xp.take_along_axis(head_keys, top_r[:, None, :], axis=2)  # (heads, s, r): what step 1 reads
+        # gathered where they lie: no head's copy of its group's keys
+        columns = keys[kv_of[:, None, None], xp.arange(s)[None, :, None], top_r[:, None, :]]  # (heads, s, r)
         q_r = xp.take_along_axis(qf, top_r, axis=-1)                  # (heads, r)
         # the approximate scores' temperature: the share of |q| the r components hold (SparQ's correction)
         share = xp.abs(q_r).sum(-1) / xp.maximum(xp.abs(qf).sum(-1), 1e-30)
         approx = softmax((columns @ q_r[..., None])[..., 0] / xp.sqrt(d * share)[:, None], xp)  # (heads, s)
         top = xp.argpartition(-approx, k - 1, axis=-1)[:, :k]        # (heads, k)
         alpha = xp.take_along_axis(approx, top, axis=-1).sum(-1)      # (heads,)
-        chosen_keys = xp.take_along_axis(head_keys, top[..., None], axis=1)  # (heads, k, d)
-        chosen_values = xp.take_along_axis(values[kv_of], top[..., None], axis=1)
+        chosen_keys, chosen_values = keys[kv_of[:, None], top], values[kv_of[:, None], top]  # (heads, k, d)
         probs = softmax((chosen_keys @ qf[..., None])[..., 0] * scale, xp)  # (heads, k)
         mean = (self.value_sum / s)[kv_of]                            # (heads, d)
         out = alpha[:, None] * (probs[:, None, :] @ chosen_values)[:, 0] + (1 - alpha)[:, None] * mean

@@ -55,10 +55,8 @@ class FlockPrefill(StreamedFFN):
             for start in range(0, x.shape[0], CHUNK):
                 chunk = x[start:start + CHUNK]
                 coefficients = [self.products.coefficients(chunk, n, s, None) for n, s in parts]  # (t, n) each
-                out = self.products.down(parts[0][1], None, coefficients[0])
-                for (_, stores), c in zip(parts[1:], coefficients[1:], strict=True):
-                    out = out + self.products.down(stores, None, c)
-                outs.append(out)
+                outs.append(sum(self.products.down(stores, None, c)
+                                for (_, stores), c in zip(parts, coefficients, strict=True)))
                 scores += griffin_scores(np.concatenate(self.products.kernels.host(*coefficients), axis=1))
             out = self.products.finish(outs[0] if len(outs) == 1 else xp.concatenate(outs))
         flock = np.sort(neurons[np.argsort(-scores, kind="stable")[: self.size]])

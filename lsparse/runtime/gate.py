@@ -40,18 +40,18 @@ class _Counted:
         return active, pre
 
 
-def _predicted(root, manifest: Manifest, windows, recall: float) -> dict:
-    """Predicted mode at each layer's threshold for `recall`: held-out perplexity and shares of neurons."""
-    model, _ = load_image(root, mode="predicted")
-    counted = []
-    try:
-        for ffn, layer in zip(model.ffns, manifest.layers, strict=True):
-            ffn.predictor.threshold = dict(map(tuple, layer.figures["recall_thresholds"]))[recall]
-            ffn.predictor = _Counted(ffn.predictor, layer.hot, layer.d_ff)
-            counted.append(ffn.predictor)
-        ppl = perplexity(model, windows)
-    finally:
-        model.close()
+def threshold_at(layer, recall: float) -> float:
+    """The layer's predictor threshold that keeps `recall` of its active training neurons (compile's table)."""
+    return dict(map(tuple, layer.figures["recall_thresholds"]))[recall]
+
+
+def _predicted(model, counted: list, manifest: Manifest, windows, recall: float) -> dict:
+    """Predicted mode (`model`, its predictors wrapped in `counted`) at each layer's threshold for `recall`:
+    held-out perplexity and shares of neurons."""
+    for c, layer in zip(counted, manifest.layers, strict=True):
+        c.predictor.threshold = threshold_at(layer, recall)
+        c.predicted, c.used = [], []
+    ppl = perplexity(model, windows)
     return {"recall": recall, "perplexity": ppl, "used_fraction": float(np.mean([c.used for c in counted])),
             "max_predicted_fraction": [max(c.predicted) for c in counted]}
 
@@ -75,7 +75,28 @@ def gate_thresholds(root, manifest: Manifest, windows: list[list[int]], bound: f
     dense = _perplexity(root, windows, "dense")
     oracle = _perplexity(root, windows, "exact")
     recalls = sorted(r for r, _ in manifest.layers[0].figures["recall_thresholds"])
-    best = _predicted(root, manifest, windows, recalls[-1])
+    model, _ = load_image(root, mode="predicted")
+    try:
+        for ffn, layer in zip(model.ffns, manifest.layers, strict=True):
+            ffn.predictor = _Counted(ffn.predictor, layer.hot, layer.d_ff)
+        best = _bisect(model, [ffn.predictor for ffn in model.ffns], manifest, windows, recalls, bound, dense,
+                       oracle)
+    finally:
+        model.close()
+    report = {"bound": bound, "recall": best["recall"], "perplexity": best["perplexity"], "dense_perplexity": dense,
+              "oracle_perplexity": oracle, "used_fraction": best["used_fraction"],
+              "tokens": sum(len(w) for w in windows)}
+    layers = tuple(replace(layer, predictor_threshold=threshold_at(layer, best["recall"]),
+                           max_predicted_fraction=best["max_predicted_fraction"][i],
+                           figures={**layer.figures, "quality_gate": report})
+                   for i, layer in enumerate(manifest.layers))
+    return replace(manifest, layers=layers, recall_target=best["recall"])
+
+
+def _bisect(model, counted, manifest: Manifest, windows, recalls: list, bound: float, dense: float,
+            oracle: float | None) -> dict:
+    """The trial at the lowest recall within the bound (perplexity falls as recall rises)."""
+    best = _predicted(model, counted, manifest, windows, recalls[-1])
     if best["perplexity"] > (1 + bound) * dense:
         cut = "" if oracle is None else f"; the true masks at the compiled cut (oracle) lose {oracle / dense - 1:.1%}"
         raise LsparseError(f"no predictor threshold keeps perplexity within {bound:.1%} of dense's on the held-out "
@@ -84,15 +105,9 @@ def gate_thresholds(root, manifest: Manifest, windows: list[list[int]], bound: f
     low, high = 0, len(recalls) - 1  # recalls[high] meets the bound; find the lowest that does
     while low < high:
         middle = (low + high) // 2
-        trial = _predicted(root, manifest, windows, recalls[middle])
+        trial = _predicted(model, counted, manifest, windows, recalls[middle])
         if trial["perplexity"] <= (1 + bound) * dense:
             high, best = middle, trial
         else:
             low = middle + 1
-    report = {"bound": bound, "recall": best["recall"], "perplexity": best["perplexity"], "dense_perplexity": dense,
-              "oracle_perplexity": oracle, "used_fraction": best["used_fraction"],
-              "tokens": sum(len(w) for w in windows)}
-    layers = tuple(replace(layer, predictor_threshold=dict(map(tuple, layer.figures["recall_thresholds"]))[
-        best["recall"]], max_predicted_fraction=best["max_predicted_fraction"][i],
-        figures={**layer.figures, "quality_gate": report}) for i, layer in enumerate(manifest.layers))
-    return replace(manifest, layers=layers, recall_target=best["recall"])
+    return best

@@ -50,14 +50,15 @@ class ImageModel:
             return self.model(tokens, cache, self.ffns)
         # A prompt goes through token by token, as decoding does: a neuron cache sized for one token's
         # neurons need not hold the union of a whole prompt's (and a replayed trace moves one token a step).
-        out, before = [], _attention_reads(cache)
+        out, before = [], _attention_reads(cache) if self.model.sparq is not None else None
         for t in tokens:
             if self.trace is not None:
                 self.trace.step()
             out.append(self.model([t], cache, self.ffns))
-        after = _attention_reads(cache)
-        self.costs.now.attention_bytes, self.costs.now.attention_full_bytes = (after[0] - before[0],
-                                                                               after[1] - before[1])
+        if before is not None:  # what SparQ read of the KV cache in this call
+            after = _attention_reads(cache)
+            self.costs.now.attention_bytes = after[0] - before[0]
+            self.costs.now.attention_full_bytes = after[1] - before[1]
         return self.xp.concatenate(out)
 
     def verify(self, tokens, cache):
@@ -83,8 +84,8 @@ class ImageModel:
 
 
 def _attention_reads(cache) -> tuple[int, int]:
-    """(bytes SparQ attention has read from these layers' caches, what full attention would have)."""
-    return (sum(getattr(c, "bytes_read", 0) for c in cache), sum(getattr(c, "bytes_full", 0) for c in cache))
+    """(bytes SparQ attention has read from these layers' caches (SparQCache), what full attention would have)."""
+    return sum(c.bytes_read for c in cache), sum(c.bytes_full for c in cache)
 
 
 def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[ImageModel, object]:
