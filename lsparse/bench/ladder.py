@@ -38,6 +38,7 @@ class BenchOptions:
     flock_shares: tuple = ()                     # a +flock core rung for each (GRIFFIN's knob: the flock's size)
     quality_bounds: tuple = ()                   # a +gated rung for each: an image compiled with that bound
     kv_top_ks: tuple = ()                        # a +sparq rung for each (SparQ's k)
+    kv_ram_tokens: tuple = ()                    # a +sparq flash rung for each (tokens a layer holds in RAM)
     quality_window: int = 512                    # tokens of each perplexity window (long context: SparQ)
     workers: int = DEFAULT_READERS
     synthetic: bool = False                      # set by bench() for synthetic images
@@ -69,7 +70,8 @@ def _check_rungs(options: BenchOptions, synthetic: bool) -> list[Rung]:
     if options.rungs is not None and len(rungs) != len(options.rungs):
         unknown = sorted(set(options.rungs) - {r.name for r in ladder})
         raise LsparseError(f"unknown rung(s) {', '.join(unknown)} (known here: {', '.join(r.name for r in ladder)})")
-    if (options.cache_biases or options.flock_shares or options.quality_bounds or options.kv_top_ks) and synthetic:
+    if (options.cache_biases or options.flock_shares or options.quality_bounds or options.kv_top_ks
+            or options.kv_ram_tokens) and synthetic:
         raise LsparseError("--cache-bias, --flock and --max-quality-loss need a real model's activations: a "
                            "synthetic image replays its masks")
     if not all(0 < b < 10 for b in options.quality_bounds):
@@ -81,6 +83,10 @@ def _check_rungs(options: BenchOptions, synthetic: bool) -> list[Rung]:
     added += [gated_rung(bound) for bound in options.quality_bounds]
     added += [Rung(f"+sparq {int(k)}", "4bit-hot", "predicted", kv_top_k=int(k),
                    note=f"SparQ attention, {int(k)} keys a step") for k in options.kv_top_ks]
+    k = int(options.kv_top_ks[0]) if options.kv_top_ks else 64
+    added += [Rung(f"+sparq flash {int(r)}", "4bit-hot", "predicted", kv_top_k=k, kv_ram_tokens=int(r),
+                   note=f"SparQ attention ({k} keys), the KV cache paged to flash past {int(r)}-{2 * int(r)} "
+                        "tokens a layer") for r in options.kv_ram_tokens]
     for rung in added:  # a knob out of range refused now, not in the rung's process
         rung.decode_options(1, 1)
     return rungs + added
@@ -93,6 +99,7 @@ def _run_rungs(rungs: list[Rung], images: dict, prompts, windows, options: Bench
     results, quality_done = {}, {}
     for rung in rungs:
         progress(f"rung {rung.name}")
+        # the same arithmetic gives the same perplexity (paging the KV cache changes where keys lie, not them)
         key = (rung.variant, "dense" if rung.mode in ("naive", "dense") else rung.mode, rung.correct_every,
                rung.cache_bias, rung.flock, rung.flock_rule, rung.kv_top_k)
         spec = {"rung": asdict(rung), "image": str(images[rung.variant]), "prompts": prompts,

@@ -37,6 +37,8 @@ def summary(rung: Rung, result: dict, reference: dict | None) -> dict:
                     "compute_ms": f["compute_ms_per_token"], "cache_hit_rate": f["cache_hit_rate"],
                     "attention_bytes_per_token": f.get("attention_bytes_per_token"),
                     "attention_full_bytes_per_token": f.get("attention_full_bytes_per_token"),
+                    "kv_flash_bytes_per_token": f.get("kv_flash_bytes_per_token"),
+                    "kv_flash_reads_per_token": f.get("kv_flash_reads_per_token"),
                     "direct_io": all(r["direct_io"] for r in result["flash"]),
                     "gap_bytes": f["gap_bytes"], "gap_rule": result["flash"][0]["gap_rule"]})
     else:
@@ -103,7 +105,8 @@ CSV_COLUMNS = ("rung", "mode", "window", "bundled", "budget_bytes", "prompt_byte
                "tokens_per_second", "peak_memory_bytes", "planned_ram_bytes", "model_ram_bytes", "cache_hit_rate",
                "gap_bytes",
                "greedy_agreement", "identical_prefix_tokens", "corrected_share", "tokens_per_dense_pass",
-               "attention_bytes_per_token", "attention_full_bytes_per_token")
+               "attention_bytes_per_token", "attention_full_bytes_per_token", "kv_flash_bytes_per_token",
+               "kv_flash_reads_per_token")
 
 
 def write_csv(result: dict, path) -> None:

@@ -51,6 +51,7 @@ class Rung:
     flock: float | None = None        # flocking (GRIFFIN): runtime/flock.py
     flock_rule: str = "add"
     kv_top_k: int | None = None       # SparQ attention: model/sparq.py
+    kv_ram_tokens: int | None = None  # ... with the KV cache paged to flash: runtime/kv_flash.py
     note: str = ""
 
     def decode_options(self, readers: int, context: int) -> DecodeOptions:
@@ -59,7 +60,7 @@ class Rung:
                              bundled=self.bundled, gap_bytes=self.gap_bytes, ram_budget=self.budget,
                              lookahead=self.lookahead, kernels=self.kernels, readers=readers, context=context,
                              correct_every=self.correct_every, cache_bias=self.cache_bias, flock=self.flock,
-                             flock_rule=self.flock_rule, kv_top_k=self.kv_top_k)
+                             flock_rule=self.flock_rule, kv_top_k=self.kv_top_k, kv_ram_tokens=self.kv_ram_tokens)
 
 
 LADDER = [
@@ -91,6 +92,9 @@ LADDER = [
     Rung("+sparq", "4bit-hot", "predicted", kv_top_k=64,
          note="SparQ attention: 64 keys and values read whole a step, ranked by a quarter of each query's "
               "components: against +4-bit"),
+    Rung("+sparq flash", "4bit-hot", "predicted", kv_top_k=64, kv_ram_tokens=64,
+         note="+sparq with the KV cache paged to flash: each layer holds its newest 64-128 tokens, reads of the rest "
+              "as SparQ uses them (kv_flash_bytes_per_token); perplexity: +sparq's arithmetic"),
     Rung("exact 4-bit", "4bit-hot", "exact", note="gate resident: lossless against dense 4-bit"),
     Rung("dense 4-bit", "4bit-hot", "dense", note="every weight in RAM"),
     Rung("dense fp16", "fp16-natural", "dense", note="every weight in RAM: the reference"),

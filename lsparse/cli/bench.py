@@ -42,14 +42,14 @@ def bench(
     flock: str = typer.Option("", "--flock", help="Add a +flock core rung (GRIFFIN) per flock share, e.g. 0.7,0.9."),
     max_quality_loss: str = typer.Option("", "--max-quality-loss", help="Add a +gated rung per bound (0.01: 1%): "
                                          "an image compiled with --max-quality-loss."),
-    kv_top_k: str = typer.Option("", "--kv-top-k", help="Add a +sparq rung (SparQ) per keys read a step, e.g. 32,128."),
+    kv_top_k: str = typer.Option("", "--kv-top-k", help="Add a +sparq rung (SparQ) per keys read a step."),
+    kv_ram_tokens: str = typer.Option("", "--kv-ram-tokens", help="Add a +sparq flash rung per KV tokens in RAM."),
     quality_window: int = typer.Option(512, "--quality-window", min=16, help="Tokens of each perplexity window."),
     model: bool = typer.Option(False, "--model", help="kernels: the Metal kernels' PREDICTED cost on Apple chips "
                                "(bytes, threadgroups, time floors at each chip's bandwidth), nothing timed."),
 ):
-    """LLM in a Flash's ladder: naive, hybrid, +predictor, +window, +bundles, +hot, +4-bit, exact, dense.
-    `lsparse bench kernels`: the sparse FFN step against dense, from 5% to 100% active; with --model, the
-    Metal kernels' predicted cost on Apple chips."""
+    """LLM in a Flash's ladder (naive, hybrid, +predictor, ... exact, dense) and the methods' rungs. `lsparse bench
+    kernels`: the sparse FFN step against dense, 5% to 100% active; --model: Metal's predicted cost on Apple chips."""
     from pathlib import Path
 
     from rich.console import Console
@@ -69,7 +69,8 @@ def bench(
                            rungs=[r.strip() for r in rungs.split(",")] if rungs else None, workers=readers,
                            cache_biases=numbers(cache_bias, "--cache-bias"), flock_shares=numbers(flock, "--flock"),
                            quality_bounds=numbers(max_quality_loss, "--max-quality-loss"),
-                           kv_top_ks=numbers(kv_top_k, "--kv-top-k"), quality_window=quality_window)
+                           kv_top_ks=numbers(kv_top_k, "--kv-top-k"), quality_window=quality_window,
+                           kv_ram_tokens=numbers(kv_ram_tokens, "--kv-ram-tokens"))
     _ladder(image, options, as_json, csv, plot, err)
 
 

@@ -45,6 +45,9 @@ SHARED = {
                                              "highest (and the values' mean), not all of them.")),
     "kv_rank": (Optional[int], typer.Option(None, "--kv-rank", help="With --kv-top-k: the query components the "
                                             "approximate scores use \\[a quarter of the head's].")),
+    "kv_ram_tokens": (Optional[int], typer.Option(None, "--kv-ram-tokens", help="With --kv-top-k: the KV cache "
+                                                  "paged to flash: each layer holds its newest R to 2R tokens in "
+                                                  "RAM and reads only what SparQ uses of the older ones.")),
     "temp": (float, typer.Option(0.0, "--temp", help="Sampling temperature; 0 is greedy.")),
     "top_p": (float, typer.Option(1.0, "--top-p", help="Nucleus sampling: keep the smallest set with this mass.")),
     "seed": (Optional[int], typer.Option(None, "--seed", help="Random seed for sampling.")),
@@ -80,6 +83,7 @@ class ModelChoice:
     flock_rule: str | None
     kv_top_k: int | None
     kv_rank: int | None
+    kv_ram_tokens: int | None
     temp: float
     top_p: float
     seed: int | None
@@ -99,7 +103,7 @@ class ModelChoice:
         from lsparse.image.image import is_image
         image_only = {"--mode": self.mode, "--window": self.window, "--threshold": self.threshold,
                       "--cache-bias": self.cache_bias, "--flock": self.flock, "--flock-rule": self.flock_rule,
-                      "--kv-top-k": self.kv_top_k, "--kv-rank": self.kv_rank,
+                      "--kv-top-k": self.kv_top_k, "--kv-rank": self.kv_rank, "--kv-ram-tokens": self.kv_ram_tokens,
                       "--ram-budget": self.ram_budget, "--kernels": self.kernels, "--packed": self.packed or None,
                       "--readers": self.readers, "--buffered": self.buffered or None,
                       "--lookahead": self.lookahead or None}
@@ -125,7 +129,7 @@ class ModelChoice:
         given = {"mode": self.mode or ("dense" if self.dense else "exact"), "window": self.window,
                  "threshold_shift": self.threshold, "cache_bias": self.cache_bias, "flock": self.flock,
                  "flock_rule": self.flock_rule, "kv_top_k": self.kv_top_k, "kv_rank": self.kv_rank,
-                 "ram_budget": budget,
+                 "kv_ram_tokens": self.kv_ram_tokens, "ram_budget": budget,
                  "kernels": "mlx" if self.packed else self.kernels or "auto", "readers": self.readers,
                  "direct": not self.buffered, "lookahead": self.lookahead}
         return DecodeOptions(**{k: v for k, v in given.items() if v is not None})

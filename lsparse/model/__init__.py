@@ -30,9 +30,10 @@ def architecture(config: dict):
 class Model:
     """Dense decoder: every weight resident. The baseline each sparse mode is measured against."""
 
-    def __init__(self, arch, args, globals_: dict, layers: list[dict], xp, sparq=None):
+    def __init__(self, arch, args, globals_: dict, layers: list[dict], xp, sparq=None, kv_pages=None):
         self.arch, self.args, self.globals, self.layers, self.xp = arch, args, globals_, layers, xp
         self.sparq = sparq  # a SparQ (model/sparq.py): decoding steps attend SparQ's way; None: in full
+        self.kv_pages = kv_pages  # with SparQ, the caches' pages on flash (runtime/kv_flash.py KVSpill); None: RAM
 
     @property
     def context_length(self) -> int:
@@ -41,6 +42,8 @@ class Model:
     def make_cache(self, max_len: int | None = None) -> list[KVCache]:
         n_kv, head_dim = self.arch.kv_shape(self.args)
         length = max_len or self.context_length
+        if self.kv_pages is not None:
+            return self.kv_pages.make_cache(self.xp, len(self.layers), n_kv, length, head_dim)
         if self.sparq is not None:
             from lsparse.model.sparq import SparQCache
             return [SparQCache(self.xp, n_kv, length, head_dim, self.sparq) for _ in self.layers]

@@ -76,22 +76,27 @@ class KVCache:
         self.values = xp.zeros((n_kv_heads, max_len, head_dim), dtype=xp.float32)
         self.offset = 0
 
-    def update(self, k, v):
+    def append(self, k, v) -> None:
         end = self.offset + k.shape[1]
         self.keys[:, self.offset:end, :] = k
         self.values[:, self.offset:end, :] = v
         self.offset = end
-        return self.keys[:, :end, :], self.values[:, :end, :]
+
+    def update(self, k, v):
+        """Appends k and v (kv heads, t, head_dim); every key and value held, (kv heads, s, head_dim) each."""
+        self.append(k, v)
+        return self.keys[:, :self.offset, :], self.values[:, :self.offset, :]
 
 
 def attention(q, k, v, cache: KVCache, positions: np.ndarray, scale: float, xp, window: int | None = None):
     """Causal (optionally sliding-window) attention with grouped-query heads, through the KV cache.
     Each group of query heads is folded into the token axis so that no key/value is repeated."""
-    keys, values = cache.update(k, v)
     n_heads, t, head_dim = q.shape
+    if cache.sparq is not None and cache.applies(t, cache.offset + t, window):
+        cache.append(k, v)
+        return cache.attend(q, scale)
+    keys, values = cache.update(k, v)
     n_kv, s = keys.shape[0], keys.shape[1]
-    if cache.sparq is not None and cache.applies(t, s, window):
-        return cache.attend(q, keys, values, scale)
     group = n_heads // n_kv
     scores = (q.reshape(n_kv, group * t, head_dim) @ keys.transpose(0, 2, 1)) * scale
     key_pos = np.arange(s)

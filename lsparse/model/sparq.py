@@ -40,31 +40,30 @@ class SparQCache(KVCache):
         self.bytes_read = 0  # of keys and values, over SparQ's steps
         self.bytes_full = 0  # what full attention reads at those steps
 
-    def update(self, k, v):
+    def append(self, k, v) -> None:
         self.value_sum = self.value_sum + v.sum(axis=1)
-        return super().update(k, v)
+        super().append(k, v)
 
     def applies(self, t: int, s: int, window: int | None) -> bool:
         """Whether a step of t queries over s keys attends SparQ's way."""
         return t == 1 and s > self.sparq.top_k and window is None
 
-    def attend(self, q, keys, values, scale: float):
-        """q (heads, 1, head_dim) over keys and values (kv heads, s, head_dim) -> (1, heads * head_dim)."""
-        xp, k = self.xp, self.sparq.top_k
+    def attend(self, q, scale: float):
+        """q (heads, 1, head_dim) over the keys and values held (kv heads, s, head_dim) -> (1, heads * head_dim)."""
+        xp, k, s = self.xp, self.sparq.top_k, self.offset
         n_heads, _, d = q.shape
-        n_kv, s = keys.shape[0], keys.shape[1]
+        n_kv = self.keys.shape[0]
         kv_of = xp.array(np.arange(n_heads) // (n_heads // n_kv))  # (heads,) each query head's key-value head
         qf = q[:, 0, :]                                               # (heads, d)
         top_r = xp.argpartition(-xp.abs(qf), self.rank - 1, axis=-1)[:, : self.rank]  # (heads, r)
-        # gathered where they lie: no head's copy of its group's keys
-        columns = keys[kv_of[:, None, None], xp.arange(s)[None, :, None], top_r[:, None, :]]  # (heads, s, r)
+        columns = self.key_columns(kv_of, top_r)                      # (heads, s, r)
         q_r = xp.take_along_axis(qf, top_r, axis=-1)                  # (heads, r)
         # the approximate scores' temperature: the share of |q| the r components hold (SparQ's correction)
         share = xp.abs(q_r).sum(-1) / xp.maximum(xp.abs(qf).sum(-1), 1e-30)
         approx = softmax((columns @ q_r[..., None])[..., 0] / xp.sqrt(d * share)[:, None], xp)  # (heads, s)
         top = xp.argpartition(-approx, k - 1, axis=-1)[:, :k]        # (heads, k)
         alpha = xp.take_along_axis(approx, top, axis=-1).sum(-1)      # (heads,)
-        chosen_keys, chosen_values = keys[kv_of[:, None], top], values[kv_of[:, None], top]  # (heads, k, d)
+        chosen_keys, chosen_values = self.chosen(kv_of, top)          # (heads, k, d) each
         probs = softmax((chosen_keys @ qf[..., None])[..., 0] * scale, xp)  # (heads, k)
         mean = (self.value_sum / s)[kv_of]                            # (heads, d)
         out = alpha[:, None] * (probs[:, None, :] @ chosen_values)[:, 0] + (1 - alpha)[:, None] * mean
@@ -74,3 +73,13 @@ class SparQCache(KVCache):
                                for c, r in zip(columns, rows, strict=True)) * F32
         self.bytes_full += n_kv * 2 * s * d * F32
         return out.reshape(1, n_heads * d)
+
+    def key_columns(self, kv_of, top_r):
+        """(heads, s, r): each query head's r chosen components of every key held, gathered where they lie (no
+        head's copy of its group's keys)."""
+        s = self.offset
+        return self.keys[kv_of[:, None, None], self.xp.arange(s)[None, :, None], top_r[:, None, :]]
+
+    def chosen(self, kv_of, top):
+        """(keys, values), each (heads, k, d): the whole keys and values at each query head's k positions."""
+        return self.keys[kv_of[:, None], top], self.values[kv_of[:, None], top]

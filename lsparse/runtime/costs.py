@@ -25,6 +25,9 @@ class TokenCost:
     missed: int = 0            # active neurons the predictor left out (known only where masks are replayed)
     attention_bytes: int = 0       # keys and values SparQ attention read (model/sparq.py)
     attention_full_bytes: int = 0  # ... and what full attention would have read at those steps
+    kv_flash_bytes: int = 0        # read of the KV cache's pages on flash (runtime/kv_flash.py), whole blocks
+    kv_flash_reads: int = 0
+    kv_flash_s: float = 0.0
 
 
 @dataclass
@@ -77,4 +80,6 @@ def flash_report(steps: list[TokenCost], dense_ffn_bytes: int, tokens: int | Non
             "lookahead_used_per_token": mean("lookahead_used"),
             "lookahead_wasted_per_token": mean("lookahead_wasted"), "missed_per_token": mean("missed"),
             "attention_bytes_per_token": mean("attention_bytes"),
-            "attention_full_bytes_per_token": mean("attention_full_bytes")}
+            "attention_full_bytes_per_token": mean("attention_full_bytes"),
+            "kv_flash_bytes_per_token": mean("kv_flash_bytes"), "kv_flash_reads_per_token": mean("kv_flash_reads"),
+            "kv_flash_ms_per_token": 1e3 * mean("kv_flash_s")}

@@ -19,6 +19,7 @@ from lsparse.runtime.ffn import Activation, NeuronProducts
 from lsparse.runtime.ffn_paged import PagedFFN
 from lsparse.runtime.ffn_streamed import DenseFFN, StreamedFFN
 from lsparse.runtime.flock import FlockPrefill
+from lsparse.runtime.kv_flash import KVSpill
 from lsparse.runtime.options import DecodeOptions
 from lsparse.runtime.plan import MemoryPlan, plan
 from lsparse.runtime.reader import DEFAULT_GAP_BYTES
@@ -56,9 +57,8 @@ class ImageModel:
                 self.trace.step()
             out.append(self.model([t], cache, self.ffns))
         if before is not None:  # what SparQ read of the KV cache in this call
-            after = _attention_reads(cache)
-            self.costs.now.attention_bytes = after[0] - before[0]
-            self.costs.now.attention_full_bytes = after[1] - before[1]
+            for name, was, now in zip(ATTENTION_READS, before, _attention_reads(cache), strict=True):
+                setattr(self.costs.now, name, now - was)
         return self.xp.concatenate(out)
 
     def verify(self, tokens, cache):
@@ -81,11 +81,18 @@ class ImageModel:
     def close(self) -> None:
         if self.fetcher is not None:
             self.fetcher.close()
+        if self.model.kv_pages is not None:
+            self.model.kv_pages.close()
 
 
-def _attention_reads(cache) -> tuple[int, int]:
-    """(bytes SparQ attention has read from these layers' caches (SparQCache), what full attention would have)."""
-    return sum(c.bytes_read for c in cache), sum(c.bytes_full for c in cache)
+# TokenCost's fields for what SparQ attention read, and the caches' counters they sum (runtime/kv_flash.py's
+# caches count their pages' reads too)
+ATTENTION_READS = {"attention_bytes": "bytes_read", "attention_full_bytes": "bytes_full",
+                   "kv_flash_bytes": "flash_bytes", "kv_flash_reads": "flash_reads", "kv_flash_s": "flash_s"}
+
+
+def _attention_reads(cache) -> list:
+    return [sum(getattr(c, counter, 0) for c in cache) for counter in ATTENTION_READS.values()]
 
 
 def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[ImageModel, object]:
@@ -138,7 +145,9 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
     globals_ = held(image.resident("globals", ("embed",) * bool(memory.mapped) + ("lm_head",) * memory.head_mapped))
     sparq = None if options.kv_top_k is None else SparQ(options.kv_rank or max(1, args.head_dim // 4),
                                                         options.kv_top_k)
-    model = Model(arch, args, globals_, layers, xp, sparq)
+    kv_pages = None if options.kv_ram_tokens is None else KVSpill(image.path, options.kv_ram_tokens, sparq,
+                                                                     options.direct)
+    model = Model(arch, args, globals_, layers, xp, sparq, kv_pages)
     read_ahead_in_turn([[w[k] for k in arch.MATRICES if k in w] for w in layers] +
                        [[globals_.get("lm_head", globals_["embed"])]])
     return ImageModel(image, model, ffns, costs, memory, fetcher, backend, gap, trace, verifiers or None,

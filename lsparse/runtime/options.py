@@ -34,6 +34,7 @@ class DecodeOptions:
     flock_rule: str = "add"         # add, within or core: how the flock shapes later masks (runtime/flock.py)
     kv_top_k: int | None = None     # SparQ attention (model/sparq.py): the keys a decoding step reads whole
     kv_rank: int | None = None      # ... and the key components it ranks them by [a quarter of head_dim]
+    kv_ram_tokens: int | None = None  # with SparQ: the KV cache on flash, R to 2R tokens in RAM (runtime/kv_flash.py)
 
     def __post_init__(self):
         if self.mode not in MODES:
@@ -61,6 +62,9 @@ class DecodeOptions:
                 self.kv_rank < 1 or self.kv_top_k is None)):
             raise LsparseError("--kv-top-k K (at least 1) turns on SparQ attention; --kv-rank R (at least 1) goes "
                                "with it")
+        if self.kv_ram_tokens is not None and (self.kv_ram_tokens < 1 or self.kv_top_k is None):
+            raise LsparseError("--kv-ram-tokens R (at least 1) pages SparQ attention's KV cache to flash: give "
+                               "--kv-top-k too")
         if self.gap_bytes is not None and self.gap_bytes < 0:
             raise LsparseError(f"the read-through gap must be at least 0, got {self.gap_bytes}")
 

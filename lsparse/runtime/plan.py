@@ -14,6 +14,7 @@ from lsparse.image.quantize import row_bytes as stored_row_bytes
 from lsparse.kernels.backends import STORED_MIN_WEIGHTS
 from lsparse.model import architecture
 from lsparse.runtime.flock import CHUNK, flock_size
+from lsparse.runtime.kv_flash import READ_BUFFER_BYTES as KV_READ_BUFFER_BYTES
 from lsparse.runtime.options import DecodeOptions
 from lsparse.runtime.reader import ALIGN
 
@@ -54,7 +55,18 @@ def _most_loaded(manifest: Manifest, mode: str) -> np.ndarray:
                      for layer in manifest.layers])
 
 
-def _resident_bytes(manifest: Manifest, mode: str, context: int, row_bytes) -> dict:
+def _kv_bytes(args, n_kv: int, n_layers: int, options: DecodeOptions) -> int:
+    """The KV cache: every layer's keys and values for the whole context, or, paged to flash, for the newest 2R
+    tokens, with the spill file's read buffer and a step's gathered key components (heads, context, r)."""
+    context, h = options.context, args.head_dim
+    if options.kv_ram_tokens is None:
+        return n_layers * 2 * n_kv * context * h * F32
+    rank = min(options.kv_rank or max(1, h // 4), h)
+    return (n_layers * 2 * n_kv * min(context, 2 * options.kv_ram_tokens) * h * F32 + KV_READ_BUFFER_BYTES +
+            args.num_attention_heads * context * rank * F32)
+
+
+def _resident_bytes(manifest: Manifest, mode: str, options: DecodeOptions, row_bytes) -> dict:
     """What stays in RAM whatever the cache holds."""
     arch, args = architecture(manifest.config)
     d, h = args.hidden_size, args.head_dim
@@ -75,7 +87,7 @@ def _resident_bytes(manifest: Manifest, mode: str, context: int, row_bytes) -> d
     return {
         "process": PROCESS_BYTES, "attention": attention,
         "embedding_head": matrix(args.vocab_size, d) * (1 if tied else 2) + 2 * d * F32,
-        "kv_cache": n_layers * 2 * n_kv * context * h * F32,
+        "kv_cache": _kv_bytes(args, n_kv, n_layers, options),
         "hot_neurons": sum(len(layer.hot) * row_bytes(len(layer.hot)) for layer in manifest.layers) * rows,
         "exact_gate": sum(int(n) * row_bytes(n) for n in d_ffs) if mode == "exact" else 0,
         "predictors": int(sum((d + n + 1) * r + n for r, n in zip(ranks, d_ffs, strict=True))) * F32
@@ -126,7 +138,7 @@ def plan(manifest: Manifest, kernels, options: DecodeOptions) -> MemoryPlan:
     def row_bytes(count: int, held: bool = True) -> int:  # one row in a store of `count` rows
         return kernels.store_row_bytes(int(count), held) if kernels else b.d_model * F32
 
-    fixed = _resident_bytes(manifest, mode, options.context, row_bytes)
+    fixed = _resident_bytes(manifest, mode, options, row_bytes)
     mappable = Mappable.of(manifest, fixed, kernels)
     d_ffs = np.array([layer.d_ff for layer in manifest.layers])
     cold = np.array([layer.region.count for layer in manifest.layers])
