@@ -21,7 +21,7 @@ def ladder(tmp_path_factory):
     compile_image("builtin:tinystories-reglu", str(root / "image"), options)
     done = lsparse("bench", str(root / "image"), "--text", str(text), "--prompts", "1", "--prompt-tokens", "32",
                    "--gen-tokens", "32", "--quality-tokens", "256", "--budgets", "0.9", "--cache-bias", "1,4",
-                   "--flock", "0.9", "--max-quality-loss", "0.3", "--kv-top-k", "16", "--json",
+                   "--flock", "0.9", "--max-quality-loss", "0.3", "--kv-top-k", "16", "--kv-ram-tokens", "8", "--json",
                    "--csv", str(root / "ladder.csv"), "--plot", str(root / "ladder.png"), timeout=600)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
@@ -35,7 +35,7 @@ def ppl(row):
 
 
 def test_every_rung_ran_and_wrote_csv_and_plot(ladder):
-    added = ["+cache-aware 1", "+cache-aware 4", "+flock core 0.9", "+gated 30.0%", "+sparq 16"]
+    added = ["+cache-aware 1", "+cache-aware 4", "+flock core 0.9", "+gated 30.0%", "+sparq 16", "+sparq flash 8"]
     assert list(ladder["by_rung"]) == [r.name for r in LADDER] + added
     with open(ladder["root"] / "ladder.csv", newline="") as f:
         ran = [row for row in ladder["sweep"] if "refused" not in row]
@@ -145,3 +145,25 @@ def test_the_sparq_rungs_read_part_of_the_attention_cache(ladder):
     assert 0 < sparq["attention_bytes_per_token"] < sparq["attention_full_bytes_per_token"]
     assert ppl(sparq) != ppl(r["+4-bit"]) and r["+4-bit"]["attention_bytes_per_token"] == 0
     assert r["+sparq"]["attention_bytes_per_token"] == 0
+
+
+def test_the_paged_kv_rung_reads_from_flash_what_sparq_chooses(ladder):
+    """+sparq flash 8 is +sparq 16 with all but the newest 8 to 16 tokens of each layer's KV cache on flash: the
+    same choices (attention bytes and text), read from the spill file, and fewer KV bytes planned."""
+    r = ladder["by_rung"]
+    paged, in_ram = r["+sparq flash 8"], r["+sparq 16"]
+    assert paged["attention_bytes_per_token"] == in_ram["attention_bytes_per_token"]
+    assert paged["greedy_agreement"] == in_ram["greedy_agreement"]
+    assert paged["kv_flash_bytes_per_token"] > 0 == in_ram["kv_flash_bytes_per_token"]
+
+
+def test_the_precision_tier_rungs_hold_hot_neurons_at_8_bits(ladder):
+    """+8-bit hot and exact 8-bit hot run the variant whose hot bundles are 8-bit: a larger model as stored than
+    +4-bit's (the plan holds rows this small decoded, so not more RAM), and a model (exact mode) of its own."""
+    from lsparse.image.image import Image
+    r = ladder["by_rung"]
+    assert r["+8-bit hot"]["planned_ram_bytes"] >= r["+4-bit"]["planned_ram_bytes"]
+    assert ppl(r["exact 8-bit hot"]) != ppl(r["exact 4-bit"])
+    variant = Image.open(ladder["root"] / "image.variants" / "4bit-hot8")
+    assert (variant.manifest.bundle.bits, variant.manifest.hot_bits) == (4, 8)
+    assert variant.model_bytes() > Image.open(ladder["root"] / "image").model_bytes()

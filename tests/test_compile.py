@@ -120,7 +120,7 @@ def test_compile_tiny_opt_with_exact_gating(tmp_path):
 @pytest.mark.parametrize("damage,message", [
     ("truncate", "neurons.bin: .* bytes, expected"),
     ("flip", "checksum mismatch"),
-    ("version", "image format version 99; this lsparse reads version 2"),
+    ("version", "image format version 99; this lsparse reads versions 2 and 3"),
     ("manifest", "not an lsparse image"),
 ])
 def test_damaged_images_are_refused(tiny_relu_llama, tmp_path, damage, message):

@@ -12,11 +12,12 @@ from lsparse.runtime.options import DecodeOptions
 
 # Image variants as changes to the compile options recorded in the image; None: the image itself.
 VARIANTS = {
-    "fp16-natural": {"bits": 16, "hot_fraction": 0.0, "layout": "natural"},
-    "fp16-layout": {"bits": 16, "hot_fraction": 0.0, "layout": "coactivation"},
-    "fp16-hot": {"bits": 16, "layout": "coactivation"},
-    "4bit-hot": {"bits": 4, "layout": "coactivation"},
-    "4bit-wanda": {"bits": 4, "layout": "coactivation", "residency": "wanda"},
+    "fp16-natural": {"bits": 16, "hot_bits": None, "hot_fraction": 0.0, "layout": "natural"},
+    "fp16-layout": {"bits": 16, "hot_bits": None, "hot_fraction": 0.0, "layout": "coactivation"},
+    "fp16-hot": {"bits": 16, "hot_bits": None, "layout": "coactivation"},
+    "4bit-hot": {"bits": 4, "hot_bits": None, "layout": "coactivation"},
+    "4bit-wanda": {"bits": 4, "hot_bits": None, "layout": "coactivation", "residency": "wanda"},
+    "4bit-hot8": {"bits": 4, "hot_bits": 8, "layout": "coactivation"},
 }
 GATED = "4bit-gated-"  # and a bound: the 4-bit image with its thresholds chosen for that quality bound
 
@@ -24,7 +25,8 @@ GATED = "4bit-gated-"  # and a bound: the 4-bit image with its thresholds chosen
 def variant_options(name: str) -> dict:
     """The compile options a variant changes."""
     if name.startswith(GATED):
-        return {"bits": 4, "layout": "coactivation", "max_quality_loss": float(name.removeprefix(GATED))}
+        return {"bits": 4, "hot_bits": None, "layout": "coactivation",
+                "max_quality_loss": float(name.removeprefix(GATED))}
     return VARIANTS[name]
 
 
@@ -77,6 +79,9 @@ LADDER = [
     Rung("+4-bit", "4bit-hot", "predicted", note="4-bit bundles: the full system"),
     Rung("+wanda hot", "4bit-wanda", "predicted",
          note="hot neurons by Wanda's |W| ||x|| instead of frequency, at the same RAM: against +4-bit"),
+    Rung("+8-bit hot", "4bit-hot8", "predicted",
+         note="a precision tier: hot neurons' bundles at 8 bits, cold ones at 4 (more RAM, the same reads): "
+              "against +4-bit"),
     Rung("+packed cache", "4bit-hot", "predicted", kernels="mlx",
          note="cached neurons kept 4-bit, multiplied by MLX's quantized kernel"),
     Rung("+lookahead", "4bit-hot", "predicted", lookahead=True, note="the next layer read while this one runs"),
@@ -96,6 +101,7 @@ LADDER = [
          note="+sparq with the KV cache paged to flash: each layer holds its newest 64-128 tokens, reads of the rest "
               "as SparQ uses them (kv_flash_bytes_per_token); perplexity: +sparq's arithmetic"),
     Rung("exact 4-bit", "4bit-hot", "exact", note="gate resident: lossless against dense 4-bit"),
+    Rung("exact 8-bit hot", "4bit-hot8", "exact", note="the precision tier's model itself: against exact 4-bit"),
     Rung("dense 4-bit", "4bit-hot", "dense", note="every weight in RAM"),
     Rung("dense fp16", "fp16-natural", "dense", note="every weight in RAM: the reference"),
 ]

@@ -225,17 +225,14 @@ def write_synthetic(name: str, out, bits: int = 4, hot_fraction: float = 0.1, la
 
 
 def _manifest_fields(name, g: Geometry, config, bits, layers, recording: Recording, tiles, options) -> dict:
-    from lsparse.image.bundles import stride
     from lsparse.image.manifest import BundleLayout
-    from lsparse.image.quantize import row_bytes
     from lsparse.model.llama import BUNDLE, EXACT_PREFIX
     d = config["hidden_size"]
     recall = "" if recording.predictor_recall is None else f"; predictor recall {recording.predictor_recall:.3f}"
     return dict(
         config=config, source=f"synthetic:{name}", lsparse_version=__version__,
         created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        bundle=BundleLayout(components=tuple(BUNDLE), exact_prefix=EXACT_PREFIX, row_bytes=row_bytes(d, bits, 64),
-                            stride=stride(d, len(BUNDLE), bits, 64), d_model=d, bits=bits, group_size=64),
+        bundle=BundleLayout.of(tuple(BUNDLE), EXACT_PREFIX, d, bits, 64), hot_bits=None,
         resident_bits=g.resident_bits, resident_group_size=64, predictor="trace", recall_target=None,
         calibration=Calibration(text="lsparse calibration stories (traced)", tokens=len(recording.layout) +
                                 len(recording.replay), held_out_tokens=len(recording.replay)),

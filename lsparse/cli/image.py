@@ -66,6 +66,7 @@ def compile_(
                                                                 "swiglu-threshold, or a TOML file."),
     calib_tokens: Optional[int] = typer.Option(None, "--calib-tokens", min=1, help="Calibration tokens [8192]."),
     bits: Optional[int] = typer.Option(None, "--bits", help="Bundle precision: 4, 8 or 16 [4]."),
+    hot_bits: Optional[int] = typer.Option(None, "--hot-bits", help="A precision tier: hot neurons at 8 or 16 bits."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="Quantization group: 32, 64, 128 [64]."),
     hot_fraction: Optional[float] = typer.Option(None, "--hot-fraction", min=0.0, max=1.0,
                                                  help="Share of each layer's neurons pinned in RAM [0.1]."),
@@ -93,7 +94,8 @@ def compile_(
     from lsparse.image.compile import CompileOptions, load_preset
     from lsparse.sizes import parse_share
     settings = load_preset(config) if config else {}
-    given = {"calib_tokens": calib_tokens, "bits": bits, "group_size": group_size, "hot_fraction": hot_fraction,
+    given = {"calib_tokens": calib_tokens, "bits": bits, "hot_bits": hot_bits, "group_size": group_size,
+             "hot_fraction": hot_fraction,
              "predictor": predictor, "rank": rank, "recall": recall, "threshold_sparsity": threshold_sparsity,
              "layout": layout, "threshold_on": threshold_on, "resident_bits": resident_bits, "residency": residency,
              "max_quality_loss": None if max_quality_loss is None else parse_share(max_quality_loss,

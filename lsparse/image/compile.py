@@ -24,7 +24,7 @@ from lsparse.calibrate.predictors import (
 )
 from lsparse.calibrate.residency import hot_set, neuron_scores
 from lsparse.errors import LsparseError
-from lsparse.image.bundles import component_rows, decode_bundles, encode_bundles, read_stats, row_sums, stride
+from lsparse.image.bundles import component_rows, decode_bundles, encode_bundles, read_stats, row_sums
 from lsparse.image.manifest import BundleLayout, Calibration, Layer, Manifest
 from lsparse.image.quantize import check, quantize_rows, row_bytes
 from lsparse.image.replace import check_target
@@ -45,6 +45,7 @@ class CompileOptions:
     calib_tokens: int = 8192
     window: int = 512
     bits: int = 4
+    hot_bits: int | None = None       # a precision tier: hot neurons' bundles at 8 or 16 bits (None: at `bits`)
     group_size: int = 64
     hot_fraction: float = 0.1
     predictor: str = "lowrank"
@@ -65,7 +66,7 @@ class CompileOptions:
 PRESETS = files("lsparse.presets")
 PRESET_KEYS = ("calib_tokens", "bits", "group_size", "hot_fraction", "predictor", "rank", "recall",
                "threshold_sparsity", "predictor_epochs", "layout", "threshold_on", "resident_bits", "residency",
-               "max_quality_loss")
+               "max_quality_loss", "hot_bits")
 # The recalls a quality gate may choose among: each layer's threshold for each, on its training tokens, is in its
 # figures (recall_thresholds), so that a gate can move every layer's threshold by one knob
 RECALL_GRID = (0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.93, 0.95, 0.97, 0.98, 0.99, 0.995, 0.999, 1.0)
@@ -196,7 +197,8 @@ def _compile_layer(cal, arch, args, options: CompileOptions, train_n: int, write
     k = arch.BUNDLE.index(arch.EXACT_PROJECTION)
     resident = stored_matrices({name: t for name, t in w.items() if name not in FFN_KEYS}, arch, options)
     resident.update({name: w[name].astype(np.float32) for name in ("up_bias", "down_bias") if name in w})
-    resident["hot_bundles"] = np.ascontiguousarray(bundles[hot])
+    resident["hot_bundles"] = np.ascontiguousarray(bundles[hot]) if options.hot_bits is None else \
+        encode_bundles(w, arch.BUNDLE, hot, options.hot_bits, options.group_size)  # (n_hot, hot stride)
     resident["exact_rows"] = np.ascontiguousarray(bundles[:, k * rb:(k + 1) * rb])
     n_rows = len(arch.BUNDLE)
     resident["cold_row_sums"] = row_sums(bundles[cold_order, :n_rows * rb].reshape(-1, n_rows, rb))  # (n_cold, rows)
@@ -228,6 +230,9 @@ def _check_options(options: CompileOptions, gate) -> None:
                                                  not 0 < options.max_quality_loss < 10):
         raise LsparseError("--max-quality-loss (a share above 0%) chooses a predictor's thresholds: it needs "
                            "--predictor lowrank or svd")
+    if options.hot_bits is not None and options.hot_bits <= options.bits:
+        raise LsparseError(f"--hot-bits {options.hot_bits}: the hot tier is stored at more bits than the "
+                           f"--bits {options.bits} of the rest")
     if options.max_quality_loss is not None and gate is None:
         raise LsparseError("a quality bound needs its gate: compile_image(..., gate=lsparse.runtime.gate."
                            "gate_thresholds)")
@@ -246,7 +251,8 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None, t
         raise LsparseError(f"{checkpoint.location}: no tokenizer found; an image needs one")
     arch, args = architecture(checkpoint.config)
     check_tensors(checkpoint, arch, args)
-    check(args.hidden_size, options.bits, options.group_size)
+    for bits in {options.bits, options.hot_bits or options.bits}:
+        check(args.hidden_size, bits, options.group_size)
     if options.resident_bits != 16:  # rows of d_model (q, k, v, embeddings) and of the heads' width (o)
         for width in {args.hidden_size, args.num_attention_heads * args.head_dim}:
             check(width, options.resident_bits, options.group_size)
@@ -269,10 +275,8 @@ def compile_image(spec: str, out: str, options: CompileOptions, progress=None, t
         manifest = writer.finish(
             config=checkpoint.config, source=checkpoint.location, lsparse_version=__version__,
             created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            bundle=BundleLayout(components=tuple(arch.BUNDLE), exact_prefix=arch.EXACT_PREFIX,
-                                row_bytes=row_bytes(args.hidden_size, options.bits, options.group_size),
-                                stride=stride(args.hidden_size, len(arch.BUNDLE), options.bits, options.group_size),
-                                d_model=args.hidden_size, bits=options.bits, group_size=options.group_size),
+            bundle=BundleLayout.of(tuple(arch.BUNDLE), arch.EXACT_PREFIX, args.hidden_size, options.bits,
+                                   options.group_size), hot_bits=options.hot_bits,
             resident_bits=options.resident_bits, resident_group_size=options.group_size,
             predictor=options.predictor, recall_target=options.recall,
             calibration=Calibration(text=str(options.calib), tokens=tokens, held_out_tokens=tokens - train_n),

@@ -67,7 +67,7 @@ class Image:
         """A layer's resident tensors, those every image has checked against the manifest's shapes."""
         tensors = self.resident(f"layer-{index:03d}", mapped)
         layer, b = self.manifest.layers[index], self.manifest.bundle
-        shapes = {"hot_bundles": ((len(layer.hot), b.stride), np.uint8),
+        shapes = {"hot_bundles": ((len(layer.hot), self.manifest.hot_bundle.stride), np.uint8),
                   "cold_row_sums": ((layer.region.count, len(b.components)), np.uint64)}
         for name, (shape, dtype) in shapes.items():
             t = tensors.get(name)

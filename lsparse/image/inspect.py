@@ -41,7 +41,7 @@ def describe_image(image, manifest: Manifest | None = None) -> dict:
             "quantization_error": max(layer.figures["quantization_error"].values()),
         })
     return {"image": str(image.path), "source": m.source, "created": m.created,
-            "quantization": {"bits": m.bundle.bits, "group_size": m.bundle.group_size},
+            "quantization": {"bits": m.bundle.bits, "hot_bits": m.hot_bundle.bits, "group_size": m.bundle.group_size},
             "predictor": {"kind": m.predictor, "recall_target": m.recall_target},
             "calibration": dataclasses.asdict(m.calibration),
             "bundle_stride": m.bundle.stride, "bytes": total,
@@ -58,7 +58,8 @@ def print_image(summary: dict) -> None:
     console = Console()
     console.width = max(console.width, 124)
     q = summary["quantization"]
-    console.print(f"[bold]{summary['image']}[/bold]: from {summary['source']}, {q['bits']}-bit bundles "
+    tier = f" (hot neurons {q['hot_bits']}-bit)" if q["hot_bits"] != q["bits"] else ""
+    console.print(f"[bold]{summary['image']}[/bold]: from {summary['source']}, {q['bits']}-bit bundles{tier} "
                   f"(groups of {q['group_size']}), {summary['bundle_stride']} bytes each; predictor "
                   f"{summary['predictor']['kind']}; calibrated on {summary['calibration']['tokens']} tokens "
                   f"({summary['calibration']['held_out_tokens']} held out for the figures below)")

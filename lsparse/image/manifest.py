@@ -17,7 +17,7 @@ from lsparse.image.bundles import ALIGN_REGION, stride
 from lsparse.image.quantize import check, row_bytes
 
 FORMAT = "lsparse-image"
-VERSION = 2
+VERSION = 3  # 3 added hot_bits (version 2 images read as having none)
 MANIFEST = "manifest.json"
 NEURONS = "neurons.bin"
 MAX_MANIFEST_BYTES = 256 << 20  # a 70B model's manifest is about 30 MB
@@ -54,6 +54,12 @@ class BundleLayout:
     d_model: int
     bits: int
     group_size: int
+
+    @classmethod
+    def of(cls, components: tuple[str, ...], exact_prefix: int, d_model: int, bits: int,
+           group_size: int) -> "BundleLayout":
+        return cls(components, exact_prefix, row_bytes(d_model, bits, group_size),
+                   stride(d_model, len(components), bits, group_size), d_model, bits, group_size)
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,7 @@ class Manifest:
     created: str
     lsparse_version: str
     bundle: BundleLayout
+    hot_bits: int | None      # the hot neurons' bundles (resident) at this precision; None: the bundle's
     resident_bits: int        # 16: resident matrices (attention, embeddings) in fp16; 4 or 8: as rows, like bundles
     resident_group_size: int
     predictor: str            # one of PREDICTORS
@@ -119,9 +126,17 @@ class Manifest:
         q = [layer.figures["predictor"] for layer in self.layers]
         return {k: float(np.mean([x[k] for x in q])) for k in q[0] if isinstance(q[0][k], (int, float))}
 
+    @property
+    def hot_bundle(self) -> BundleLayout:
+        """The layout of the hot neurons' bundles: the precision tier they are stored at."""
+        b = self.bundle
+        return b if self.hot_bits is None else BundleLayout.of(b.components, b.exact_prefix, b.d_model,
+                                                                 self.hot_bits, b.group_size)
+
     def dense_ffn_bytes(self) -> int:
         """What a dense step reads of the FFN at the image's precision: every bundle of every layer."""
-        return sum(layer.d_ff for layer in self.layers) * self.bundle.stride
+        return sum(len(layer.hot) * self.hot_bundle.stride + len(layer.cold_order) * self.bundle.stride
+                   for layer in self.layers)
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str = MANIFEST) -> "Manifest":

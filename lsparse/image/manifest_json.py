@@ -88,11 +88,15 @@ def parse(text: str | bytes, where: str) -> Manifest:
         fail(f"not readable JSON ({str(e)[:80]})")
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise LsparseError(f"{where}: not an lsparse image manifest")
-    if data.get("version") != VERSION:
-        raise LsparseError(f"{where}: image format version {data.get('version')!r}; this lsparse reads version "
-                           f"{VERSION}: compile the image again")
+    if data.get("version") not in (2, VERSION):
+        raise LsparseError(f"{where}: image format version {data.get('version')!r}; this lsparse reads versions 2 "
+                           f"and {VERSION}: compile the image again")
     if data.get("sha256") != checksum(data):
         fail("its contents do not match its own checksum (altered)")
+    if data["version"] == 2:  # before precision tiers: the hot bundles at the bundle's precision
+        if "hot_bits" in data:
+            fail("version 2 has no hot_bits")
+        data = {**data, "hot_bits": None}
     manifest = _record(Manifest, {k: v for k, v in data.items() if k not in ("format", "version", "sha256")},
                        "manifest", fail)
     _check(manifest, fail)
@@ -107,6 +111,13 @@ def _check(m: Manifest, fail) -> None:
     except LsparseError as e:
         fail(f"config: {e}")
     check_bundle(m.bundle, arch, args, fail)
+    if m.hot_bits is not None:
+        try:
+            check(m.bundle.d_model, m.hot_bits, m.bundle.group_size)
+        except LsparseError as e:
+            fail(f"hot bundles: {e}")
+        if m.hot_bits == m.bundle.bits:
+            fail("hot_bits equals the bundle's bits (null says so)")
     if m.resident_bits != 16:
         try:
             check(args.hidden_size, m.resident_bits, m.resident_group_size)

@@ -90,5 +90,19 @@ class NeuronProducts:
         return out if self.down_bias is None else out + self.down_bias
 
 
+@dataclass(frozen=True)
+class HotNeurons:
+    """A layer's hot neurons, resident at the image's hot tier (Manifest.hot_bundle): held and computed by a
+    backend for that precision, or by the cold neurons' where the image has one precision."""
+    neurons: np.ndarray       # (n_hot,) ascending
+    products: NeuronProducts
+    rows: dict                # {component: held store}
+    own_tier: bool            # their own precision: their gate rows give their coefficients (not the cold tier's)
+
+    def partial(self, x, pre_all=None):
+        """x (t, d_model) -> (t, d_model), before the down bias; `pre_all` as NeuronProducts.partial takes it."""
+        return self.products.partial(x, self.neurons, self.rows, None, None if self.own_tier else pre_all)
+
+
 def _float(a) -> np.ndarray | None:
     return None if a is None else np.ascontiguousarray(a, dtype=np.float32)

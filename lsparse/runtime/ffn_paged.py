@@ -11,7 +11,7 @@ from lsparse.image.manifest import Layer
 from lsparse.runtime.cache import NeuronCache
 from lsparse.runtime.costs import CostLog, timed
 from lsparse.runtime.fetch import Fetched, Fetcher, RowCheck
-from lsparse.runtime.ffn import NeuronProducts
+from lsparse.runtime.ffn import HotNeurons, NeuronProducts
 
 # A layer whose hot neurons hold this many weights or more computes them while its cold reads are in flight;
 # below it handing the reads to a thread costs more than the overlap saves.
@@ -19,10 +19,10 @@ OVERLAP_MIN_WEIGHTS = 1 << 20
 
 
 class PagedFFN:
-    def __init__(self, layer: Layer, products: NeuronProducts, hot_rows: dict, predictor, cache: NeuronCache,
+    def __init__(self, layer: Layer, products: NeuronProducts, hot: HotNeurons, predictor, cache: NeuronCache,
                  fetcher: Fetcher, check: RowCheck, rows_read: tuple[str, ...], costs: CostLog,
                  flock_rule: str = "add"):
-        self.layer, self.products, self.hot_rows, self.predictor = layer, products, hot_rows, predictor
+        self.layer, self.products, self.hot, self.predictor = layer, products, hot, predictor
         self.cache, self.fetcher, self.check, self.rows_read, self.costs = cache, fetcher, check, rows_read, costs
         self.position = np.full(layer.d_ff, -1, dtype=np.int64)  # (d_ff,) a cold neuron's place in its region
         self.position[layer.cold_order] = np.arange(len(layer.cold_order))
@@ -51,7 +51,7 @@ class PagedFFN:
         cost.compute_s += hot_s
         with timed(cost, "compute_s"):
             if hot_out is None:
-                hot_out = self.products.partial(x, self.layer.hot, self.hot_rows, None, pre)
+                hot_out = self.hot.partial(x, pre)
             cached, slots = self.cache.held(needed)
             out = hot_out + self.products.partial(x, cached, dict(zip(self.rows_read, self.cache.rows, strict=True)),
                                                   slots, pre)
@@ -99,7 +99,7 @@ class PagedFFN:
         hot_out, hot_s, started = None, 0.0, time.perf_counter()
         if self.overlap:  # the hot neurons' sum while the reads are in flight
             pending = self.fetcher.start(self.layer.region.offset, positions, self.prefix)
-            hot_out = self.products.partial(x, self.layer.hot, self.hot_rows, None, pre)
+            hot_out = self.hot.partial(x, pre)
             hot_s = time.perf_counter() - started
             fetched = pending.result()
         else:

@@ -10,26 +10,26 @@ import numpy as np
 from lsparse.image.manifest import Layer
 from lsparse.runtime.costs import CostLog, timed
 from lsparse.runtime.fetch import Fetcher, RowCheck
-from lsparse.runtime.ffn import NeuronProducts
+from lsparse.runtime.ffn import HotNeurons, NeuronProducts
 
 HYBRID_READ_BYTES = 1 << 20  # hybrid streams each region in requests of this size, spread over the readers
 
 
 class DenseFFN:
-    """Every neuron resident (load_image holds the cold ones with the hot)."""
+    """Every neuron resident: the hot ones at their tier, the cold ones (in file order) held beside them."""
 
-    def __init__(self, neurons: np.ndarray, products: NeuronProducts, rows: dict, costs: CostLog):
-        self.neurons, self.products, self.rows, self.costs = neurons, products, rows, costs
+    def __init__(self, hot: HotNeurons, cold: np.ndarray, products: NeuronProducts, rows: dict, costs: CostLog):
+        self.hot, self.cold, self.products, self.rows, self.costs = hot, cold, products, rows, costs
 
     def __call__(self, args, w, x, xp):
         with timed(self.costs.now, "compute_s"):
-            return self.products.finish(self.products.partial(x, self.neurons, self.rows, None))
+            return self.products.finish(self.hot.partial(x) + self.products.partial(x, self.cold, self.rows, None))
 
 
 class StreamedFFN:
-    def __init__(self, layer: Layer, products: NeuronProducts, hot_rows: dict, fetcher: Fetcher, check: RowCheck,
+    def __init__(self, layer: Layer, products: NeuronProducts, hot: HotNeurons, fetcher: Fetcher, check: RowCheck,
                  components: tuple[str, ...], costs: CostLog):
-        self.layer, self.products, self.hot_rows, self.fetcher, self.check = layer, products, hot_rows, fetcher, check
+        self.layer, self.products, self.hot, self.fetcher, self.check = layer, products, hot, fetcher, check
         self.components, self.costs = components, costs
         self.stride = fetcher.stride
 
@@ -39,8 +39,7 @@ class StreamedFFN:
         with timed(cost, "mem_s"):
             rows = self.products.hold(bundles, self.components)
         with timed(cost, "compute_s"):
-            out = (self.products.partial(x, self.layer.hot, self.hot_rows, None)
-                   + self.products.partial(x, self.layer.cold_order, rows, None))
+            out = self.hot.partial(x) + self.products.partial(x, self.layer.cold_order, rows, None)
             return self.products.finish(out)
 
     def stream(self, cost) -> np.ndarray:

@@ -40,7 +40,7 @@ class FlockPrefill(StreamedFFN):
     """One layer's FFN for a prompt, choosing the flock of `paged` (a PagedFFN) from it."""
 
     def __init__(self, paged, fetcher, components: tuple[str, ...], share: float):
-        super().__init__(paged.layer, paged.products, paged.hot_rows, fetcher, paged.check, components, paged.costs)
+        super().__init__(paged.layer, paged.products, paged.hot, fetcher, paged.check, components, paged.costs)
         self.paged, self.size = paged, flock_size(share, paged.layer.d_ff)
 
     def __call__(self, args, w, x, xp):
@@ -48,15 +48,16 @@ class FlockPrefill(StreamedFFN):
         bundles = self.stream(cost)  # (cold count, stride) in file order
         with timed(cost, "mem_s"):
             rows = self.products.hold(bundles, self.components)
-        parts = [(n, s) for n, s in ((self.layer.hot, self.hot_rows), (self.layer.cold_order, rows)) if len(n)]
-        neurons = np.concatenate([n for n, _ in parts])  # (d_ff,) hot, then cold in file order
+        hot = self.hot
+        parts = [(n, s, p) for n, s, p in ((hot.neurons, hot.rows, hot.products),
+                                           (self.layer.cold_order, rows, self.products)) if len(n)]
+        neurons = np.concatenate([n for n, _, _ in parts])  # (d_ff,) hot, then cold in file order
         scores, outs = np.zeros(len(neurons)), []
         with timed(cost, "compute_s"):
             for start in range(0, x.shape[0], CHUNK):
                 chunk = x[start:start + CHUNK]
-                coefficients = [self.products.coefficients(chunk, n, s, None) for n, s in parts]  # (t, n) each
-                outs.append(sum(self.products.down(stores, None, c)
-                                for (_, stores), c in zip(parts, coefficients, strict=True)))
+                coefficients = [p.coefficients(chunk, n, s, None) for n, s, p in parts]  # (t, n) each
+                outs.append(sum(p.down(stores, None, c) for (_, stores, p), c in zip(parts, coefficients, strict=True)))
                 scores += griffin_scores(np.concatenate(self.products.kernels.host(*coefficients), axis=1))
             out = self.products.finish(outs[0] if len(outs) == 1 else xp.concatenate(outs))
         flock = np.sort(neurons[np.argsort(-scores, kind="stable")[: self.size]])

@@ -3,6 +3,8 @@ here; then generation calls the ImageModel like the dense Model."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from lsparse.errors import LsparseError
@@ -15,7 +17,7 @@ from lsparse.runtime import predictors
 from lsparse.runtime.cache import NeuronCache
 from lsparse.runtime.costs import CostLog, flash_report
 from lsparse.runtime.fetch import Fetcher, RowCheck
-from lsparse.runtime.ffn import Activation, NeuronProducts
+from lsparse.runtime.ffn import Activation, HotNeurons, NeuronProducts
 from lsparse.runtime.ffn_paged import PagedFFN
 from lsparse.runtime.ffn_streamed import DenseFFN, StreamedFFN
 from lsparse.runtime.flock import FlockPrefill
@@ -103,6 +105,7 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
     image.check_for_run()
     m = image.manifest
     backend, memory = plan_image(image, options)
+    tier = hot_backend(image, options, backend)
     if getattr(backend, "quantized", False):  # the C kernels' threads share the cores: OpenBLAS gets one
         from lsparse.kernels.native import limit_blas_threads
         limit_blas_threads(1)
@@ -132,11 +135,13 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
         mapped = arch.MATRICES if memory.mapped and layer.index >= memory.held_attention_layers else ()
         resident = image.layer_tensors(layer.index, mapped)
         layers.append(held(resident, leave_out=predictors.PREDICTOR_TENSORS))
-        ffn = _layer_ffn(image, layer, resident, options, arch, args, backend, memory, fetcher, trace, costs)
+        ffn = _layer_ffn(image, layer, resident, options, arch, args, (backend, tier), memory, fetcher, trace, costs)
         ffns.append(ffn)
         if options.correct_every:  # the dense model's FFN: every neuron, no CATS cut (the dense mode's rule)
-            dense = NeuronProducts(backend, arch, m.bundle.d_model, Activation.of(layer, arch, args, "dense"), resident)
-            verifiers.append(StreamedFFN(layer, dense, ffn.hot_rows, fetcher, ffn.check, ffn.rows_read, costs))
+            activation = Activation.of(layer, arch, args, "dense")
+            dense, hot = (NeuronProducts(k, arch, m.bundle.d_model, activation, resident) for k in (backend, tier))
+            verifiers.append(StreamedFFN(layer, dense, replace(ffn.hot, products=hot), fetcher, ffn.check,
+                                         ffn.rows_read, costs))
         if options.flock:
             flock.append(FlockPrefill(ffn, fetcher, m.bundle.components, options.flock))
     if options.lookahead:
@@ -155,11 +160,21 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
 
 
 def plan_image(image: Image, options: DecodeOptions) -> tuple[object, MemoryPlan]:
-    """The kernel backend `options` choose for this image, and the memory plan for rows held as it holds them
-    (a refusal, naming the smallest budget, where `options.ram_budget` cannot hold the image)."""
+    """The kernel backend `options` choose for this image, and the memory plan for rows held as it (and the hot
+    tier's backend) holds them (a refusal, naming the smallest budget, where `options.ram_budget` cannot hold
+    the image)."""
     b = image.manifest.bundle
     backend = backends.select(options.kernels, b.d_model, b.bits, b.group_size)
-    return backend, plan(image.manifest, backend, options)
+    return backend, plan(image.manifest, backend, options, hot_backend(image, options, backend))
+
+
+def hot_backend(image: Image, options: DecodeOptions, backend):
+    """The backend of the hot neurons' precision tier: `backend` where the image has one precision. (Both are
+    lazy or neither: metal, reference and emulated are lazy at every precision, cpu and mlx at none.)"""
+    m = image.manifest
+    if m.hot_bits is None:
+        return backend
+    return backends.select(options.kernels, m.bundle.d_model, m.hot_bits, m.bundle.group_size)
 
 
 def _trace(image: Image, options: DecodeOptions):
@@ -191,11 +206,14 @@ def _fetcher(image: Image, options: DecodeOptions, memory: MemoryPlan) -> tuple[
     return fetcher, {"bytes": fetcher.gap_bytes, "rule": rule}
 
 
-def _layer_ffn(image, layer, resident, options, arch, args, backend, memory, fetcher, trace, costs):
-    """One layer's FFN, of the kind its mode needs."""
+def _layer_ffn(image, layer, resident, options, arch, args, kernels, memory, fetcher, trace, costs):
+    """One layer's FFN, of the kind its mode needs; `kernels`: the backends of the cold and the hot tier."""
     b = image.manifest.bundle
-    activation = Activation.of(layer, arch, args, options.mode)
+    (backend, tier), activation = kernels, Activation.of(layer, arch, args, options.mode)
     products = NeuronProducts(backend, arch, b.d_model, activation, resident)
+    hot_products = products if tier is backend else NeuronProducts(tier, arch, b.d_model, activation, resident)
+    hot = HotNeurons(layer.hot, hot_products, hot_products.hold(resident["hot_bundles"], b.components),
+                     tier is not backend)
     rows_read = b.components[: b.exact_prefix] if options.mode == "exact" else b.components
     check = RowCheck(resident["cold_row_sums"], len(rows_read), b.row_bytes, layer.index)
     if options.mode == "dense":
@@ -204,12 +222,9 @@ def _layer_ffn(image, layer, resident, options, arch, args, backend, memory, fet
             f.seek(r.offset)
             cold = np.frombuffer(f.read(r.size), dtype=np.uint8).reshape(r.count, b.stride)
         check(np.arange(r.count), cold)
-        bundles = np.concatenate([resident["hot_bundles"], cold])  # (d_ff, stride) in hot then file order
-        return DenseFFN(np.concatenate([layer.hot, layer.cold_order]), products,
-                        products.hold(bundles, b.components), costs)
-    hot_rows = products.hold(resident["hot_bundles"], b.components)
+        return DenseFFN(hot, layer.cold_order, products, products.hold(cold, b.components), costs)
     if options.mode == "hybrid":
-        return StreamedFFN(layer, products, hot_rows, fetcher, check, b.components, costs)
+        return StreamedFFN(layer, products, hot, fetcher, check, b.components, costs)
     exact_rows = None
     if options.mode == "exact":  # only exact mode holds the whole gate
         exact_rows = products.hold(resident["exact_rows"], (arch.EXACT_PROJECTION,))[arch.EXACT_PROJECTION]
@@ -218,4 +233,4 @@ def _layer_ffn(image, layer, resident, options, arch, args, backend, memory, fet
     # Under a budget the caches' RAM is planned and held anyway: map it now, not while the first tokens run
     cache = NeuronCache(layer.d_ff, memory.cache_slots[layer.index], len(rows_read), options.window, backend,
                         prefault=options.ram_budget is not None)
-    return PagedFFN(layer, products, hot_rows, predictor, cache, fetcher, check, rows_read, costs, options.flock_rule)
+    return PagedFFN(layer, products, hot, predictor, cache, fetcher, check, rows_read, costs, options.flock_rule)

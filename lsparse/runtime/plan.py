@@ -66,7 +66,7 @@ def _kv_bytes(args, n_kv: int, n_layers: int, options: DecodeOptions) -> int:
             args.num_attention_heads * context * rank * F32)
 
 
-def _resident_bytes(manifest: Manifest, mode: str, options: DecodeOptions, row_bytes) -> dict:
+def _resident_bytes(manifest: Manifest, mode: str, options: DecodeOptions, row_bytes, hot_row_bytes) -> dict:
     """What stays in RAM whatever the cache holds."""
     arch, args = architecture(manifest.config)
     d, h = args.hidden_size, args.head_dim
@@ -88,7 +88,7 @@ def _resident_bytes(manifest: Manifest, mode: str, options: DecodeOptions, row_b
         "process": PROCESS_BYTES, "attention": attention,
         "embedding_head": matrix(args.vocab_size, d) * (1 if tied else 2) + 2 * d * F32,
         "kv_cache": _kv_bytes(args, n_kv, n_layers, options),
-        "hot_neurons": sum(len(layer.hot) * row_bytes(len(layer.hot)) for layer in manifest.layers) * rows,
+        "hot_neurons": sum(len(layer.hot) * hot_row_bytes(len(layer.hot)) for layer in manifest.layers) * rows,
         "exact_gate": sum(int(n) * row_bytes(n) for n in d_ffs) if mode == "exact" else 0,
         "predictors": int(sum((d + n + 1) * r + n for r, n in zip(ranks, d_ffs, strict=True))) * F32
         if mode == "predicted" else 0,
@@ -129,23 +129,29 @@ class Mappable:
         return 2 * self.layer_attention + self.head
 
 
-def plan(manifest: Manifest, kernels, options: DecodeOptions) -> MemoryPlan:
-    """Bytes per component, each layer's cache capacity and the read buffers, for rows held as the kernel
-    backend `kernels` holds them (None: decoded to fp32). A cache holds at most `window` tokens' worth of
-    neurons where a window is set, else all the layer's cold neurons; a budget cuts that to fit."""
-    b, mode = manifest.bundle, options.mode
-
+def _row_bytes(kernels, d_model: int):
     def row_bytes(count: int, held: bool = True) -> int:  # one row in a store of `count` rows
-        return kernels.store_row_bytes(int(count), held) if kernels else b.d_model * F32
+        return kernels.store_row_bytes(int(count), held) if kernels else d_model * F32
+    return row_bytes
 
-    fixed = _resident_bytes(manifest, mode, options, row_bytes)
+
+def plan(manifest: Manifest, kernels, options: DecodeOptions, hot_kernels=None) -> MemoryPlan:
+    """Bytes per component, each layer's cache capacity and the read buffers, for rows held as the kernel
+    backend `kernels` holds them (None: decoded to fp32), the hot tier's as `hot_kernels` (None: `kernels`). A
+    cache holds at most `window` tokens' worth of neurons where a window is set, else all the layer's cold
+    neurons; a budget cuts that to fit."""
+    b, mode = manifest.bundle, options.mode
+    row_bytes = _row_bytes(kernels, b.d_model)
+    hot_row_bytes = _row_bytes(hot_kernels or kernels, b.d_model)
+    fixed = _resident_bytes(manifest, mode, options, row_bytes, hot_row_bytes)
     mappable = Mappable.of(manifest, fixed, kernels)
     d_ffs = np.array([layer.d_ff for layer in manifest.layers])
     cold = np.array([layer.region.count for layer in manifest.layers])
     rows = b.exact_prefix if mode == "exact" else len(b.components)
     zeros = np.zeros_like(cold)
     if mode == "dense":  # every neuron held, as hot ones are
-        fixed["hot_neurons"] = sum(int(n) * row_bytes(n) for n in d_ffs) * len(b.components)
+        fixed["hot_neurons"] = sum(len(layer.hot) * hot_row_bytes(len(layer.hot)) + int(n) * row_bytes(n)
+                                   for layer, n in zip(manifest.layers, cold, strict=True)) * len(b.components)
         return _fit(fixed, 0, 0, zeros, zeros, None, options.ram_budget, mode, mappable)
     # hybrid's tokens and a flock's prompt: one layer's cold bundles at a time, read whole, held and dropped
     stream_buffer = -(-int(cold.max()) * b.stride // ALIGN) * ALIGN + ALIGN
