@@ -11,6 +11,9 @@ from lsparse.bench.rungs import LADDER
 from lsparse.image.compile import CompileOptions, compile_image
 from tests.conftest import lsparse, shared_file
 
+# one ladder of every rung on the built-in model, about a minute and a half: in the slow set (CI runs it)
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def ladder(tmp_path_factory):

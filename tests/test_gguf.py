@@ -102,6 +102,7 @@ def test_tiny_gguf_reads_like_its_safetensors_twin(tmp_path):
     assert tok.chat_template is not None
 
 
+@pytest.mark.slow  # transformers on SmolLM2: about 40 s
 def test_smollm2_logits_and_tokens_match_transformers():
     torch, transformers = require_reference()
     path = smollm2_path()
