@@ -474,3 +474,17 @@ def test_cache_aware_masks_trade_reads_for_the_cached_neurons(relu_image):
     assert list(scored.predict(x, cached)[0]) == list(range(10))  # only the cached pass a huge bias
     with pytest.raises(Exception, match="cache-bias"):
         load_image(relu_image, mode="exact", cache_bias=1.0)
+
+
+@pytest.mark.parametrize("fields", [{"mode": "dense"}, {"mode": "exact"}, {"mode": "predicted"},
+                                    {"mode": "predicted", "kv_top_k": 4}, {"mode": "exact", "flock": 0.5}])
+def test_a_prompts_last_logits_alone_are_the_last_row_of_all(relu_image, fields):
+    """Generation asks a prompt for its last token's logits only (the head once, no row per token kept): the
+    same numbers as the last row of every token's, on each path a prompt takes (whole, token by token, flock)."""
+    tokens = list(np.random.default_rng(5).integers(3, 512, 30))
+    model, _ = load_image(relu_image, **fields)
+    every = model(tokens, model.make_cache(len(tokens)))
+    cache = model.make_cache(len(tokens))
+    last = model(tokens, cache, last_only=True)
+    assert last.shape == (1, every.shape[1]) and cache[0].offset == len(tokens)
+    np.testing.assert_allclose(np.asarray(last), np.asarray(every[-1:]), rtol=1e-5, atol=1e-6)

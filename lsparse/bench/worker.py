@@ -68,7 +68,7 @@ class NaiveModel:
         self.fetcher, self.reader = self, self.readers[0]
         self.dense_ffn_bytes = dense.dense_ffn_bytes
 
-    def __call__(self, tokens, cache):
+    def __call__(self, tokens, cache, last_only: bool = False):
         from lsparse.runtime.ffn_streamed import HYBRID_READ_BYTES
         out = []
         for t in tokens:
@@ -82,6 +82,8 @@ class NaiveModel:
                 cost.io_s += io
                 cost.read_s += io
             out.append(self.dense.model([t], cache, self.dense.ffns))
+            if last_only:
+                del out[:-1]
         return np.concatenate(out)
 
     def flash_report(self, tokens: int | None = None) -> dict:

@@ -49,15 +49,16 @@ class Model:
             return [SparQCache(self.xp, n_kv, length, head_dim, self.sparq) for _ in self.layers]
         return [KVCache(self.xp, n_kv, length, head_dim) for _ in self.layers]
 
-    def __call__(self, tokens, cache: list[KVCache], ffn_fns: list | None = None):
-        """Logits (T, vocab) for `tokens` placed after what the cache already holds. `ffn_fns`, one per
+    def __call__(self, tokens, cache: list[KVCache], ffn_fns: list | None = None, last_only: bool = False):
+        """Logits (T, vocab) for `tokens` placed after what the cache already holds; `last_only`: (1, vocab),
+        the last token's (a prompt: the head run once, not T rows of the vocabulary kept). `ffn_fns`, one per
         layer, replace the dense FFN (to record or alter activations)."""
         positions = np.arange(cache[0].offset, cache[0].offset + len(tokens))
         h = self.arch.embed(self.args, self.globals, np.asarray(tokens), positions, self.xp)
         for i, (w, c) in enumerate(zip(self.layers, cache, strict=True)):
             ffn_fn = self.arch.ffn if ffn_fns is None else ffn_fns[i]
             h = self.arch.block(self.args, w, h, c, positions, self.xp, ffn_fn)
-        return self.arch.head(self.args, self.globals, h, self.xp)
+        return self.arch.head(self.args, self.globals, h[-1:] if last_only else h, self.xp)
 
 
 def _load(checkpoint: Checkpoint, names: dict[str, str], xp) -> dict:

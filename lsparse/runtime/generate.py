@@ -87,7 +87,7 @@ def stream_generate(model, tokenizer, prompt: list[int], max_tokens: int, sample
     cache = cache or model.make_cache(len(prompt) + limit)
     costs = getattr(model, "costs", None)
     start = time.perf_counter()
-    logits = model(prompt, cache)[-1]
+    logits = model(prompt, cache, last_only=True)[-1]
     evaluate(model.xp, logits)
     prompt_tps = len(prompt) / (time.perf_counter() - start)
     start = time.perf_counter()

@@ -43,14 +43,14 @@ class ImageModel:
         # SparQ attends its way one query at a time: its model takes every call token by token
         self.token_by_token = (isinstance(ffns[0], PagedFFN) if ffns else False) or model.sparq is not None
 
-    def __call__(self, tokens, cache, ffn_fns=None):
+    def __call__(self, tokens, cache, ffn_fns=None, last_only: bool = False):
         if ffn_fns is not None:
             raise ValueError("an image model's FFNs are its own")
         self.costs.start()
         if self.flock and cache[0].offset == 0:  # a sequence's prompt: each layer's flock chosen from it
-            return self.model(tokens, cache, self.flock)
+            return self.model(tokens, cache, self.flock, last_only)
         if not self.token_by_token and self.trace is None:
-            return self.model(tokens, cache, self.ffns)
+            return self.model(tokens, cache, self.ffns, last_only)
         # A prompt goes through token by token, as decoding does: a neuron cache sized for one token's
         # neurons need not hold the union of a whole prompt's (and a replayed trace moves one token a step).
         out, before = [], _attention_reads(cache) if self.model.sparq is not None else None
@@ -58,6 +58,8 @@ class ImageModel:
             if self.trace is not None:
                 self.trace.step()
             out.append(self.model([t], cache, self.ffns))
+            if last_only:  # a prompt's earlier tokens' logits are not wanted
+                del out[:-1]
         if before is not None:  # what SparQ read of the KV cache in this call
             for name, was, now in zip(ATTENTION_READS, before, _attention_reads(cache), strict=True):
                 setattr(self.costs.now, name, now - was)
