@@ -72,8 +72,8 @@ def _check_rungs(options: BenchOptions, synthetic: bool) -> list[Rung]:
         raise LsparseError(f"unknown rung(s) {', '.join(unknown)} (known here: {', '.join(r.name for r in ladder)})")
     if (options.cache_biases or options.flock_shares or options.quality_bounds or options.kv_top_ks
             or options.kv_ram_tokens) and synthetic:
-        raise LsparseError("--cache-bias, --flock and --max-quality-loss need a real model's activations: a "
-                           "synthetic image replays its masks")
+        raise LsparseError("--cache-bias, --flock, --max-quality-loss, --kv-top-k and --kv-ram-tokens need a real "
+                           "model's activations: a synthetic image replays its masks")
     if not all(0 < b < 10 for b in options.quality_bounds):
         raise LsparseError("--max-quality-loss takes shares above 0 (0.01 is 1%)")
     added = [Rung(f"+cache-aware {bias:g}", "4bit-hot", "predicted", cache_bias=bias,

@@ -80,8 +80,8 @@ LADDER = [
     Rung("+wanda hot", "4bit-wanda", "predicted",
          note="hot neurons by Wanda's |W| ||x|| instead of frequency, at the same RAM: against +4-bit"),
     Rung("+8-bit hot", "4bit-hot8", "predicted",
-         note="a precision tier: hot neurons' bundles at 8 bits, cold ones at 4 (more RAM, the same reads): "
-              "against +4-bit"),
+         note="a precision tier: hot neurons' bundles at 8 bits, cold ones at 4 (a larger image, the same cold "
+              "reads): against +4-bit"),
     Rung("+packed cache", "4bit-hot", "predicted", kernels="mlx",
          note="cached neurons kept 4-bit, multiplied by MLX's quantized kernel"),
     Rung("+lookahead", "4bit-hot", "predicted", lookahead=True, note="the next layer read while this one runs"),

@@ -31,6 +31,11 @@ class SparQ:
             raise LsparseError(f"SparQ needs a rank and a top k of at least 1, got {self.rank} and {self.top_k}")
 
 
+def rank_for(kv_rank: int | None, head_dim: int) -> int:
+    """The key components a step ranks by: `kv_rank` (None: a quarter of the head's), at most the head's."""
+    return min(kv_rank or max(1, head_dim // 4), head_dim)
+
+
 class SparQCache(KVCache):
     def __init__(self, xp, n_kv_heads: int, max_len: int, head_dim: int, sparq: SparQ):
         super().__init__(xp, n_kv_heads, max_len, head_dim)

@@ -26,6 +26,11 @@ from lsparse.runtime.reader import ALIGN, FlashReader
 READ_BUFFER_BYTES = 4 << 20  # one batch of a step's reads
 
 
+def page_bytes(n_kv: int, head_dim: int, tokens: int) -> int:
+    """A page: keys by component, keys by token, values, float32."""
+    return 3 * n_kv * head_dim * tokens * F32
+
+
 class KVSpill:
     """The spill file shared by one model's layers, and its reader. Each make_cache call takes the file over
     (a newer cache list replaces the older: a model decodes one sequence at a time)."""
@@ -46,8 +51,7 @@ class KVSpill:
     def make_cache(self, xp, n_layers: int, n_kv: int, max_len: int, head_dim: int) -> list:
         self.epoch += 1
         pages = -(-max_len // self.ram_tokens)
-        page_bytes = 3 * n_kv * head_dim * self.ram_tokens * F32
-        region = -(-pages * page_bytes // ALIGN) * ALIGN
+        region = -(-pages * page_bytes(n_kv, head_dim, self.ram_tokens) // ALIGN) * ALIGN
         os.ftruncate(self.fd, 0)  # sparse: the file takes space only where pages are written
         os.ftruncate(self.fd, n_layers * region)
         self.reader.size = n_layers * region
@@ -98,12 +102,9 @@ class FlashKVCache(SparQCache):
         self.spill, self.base, self.epoch = spill, base, spill.epoch
         self.paged = 0  # tokens on flash, whole pages
         self.n_kv, self.head_dim = n_kv, head_dim
+        self.page_bytes = page_bytes(n_kv, head_dim, self.page)
         self.flash_bytes = self.flash_reads = 0  # what steps read of the spill file (transferred, requests)
         self.flash_s = 0.0
-
-    @property
-    def page_bytes(self) -> int:
-        return 3 * self.n_kv * self.head_dim * self.page * F32
 
     def _check(self) -> None:
         if self.epoch != self.spill.epoch:

@@ -12,7 +12,7 @@ from lsparse.image.image import Image
 from lsparse.kernels import backends
 from lsparse.model import Model, architecture
 from lsparse.model.backend import array_module
-from lsparse.model.sparq import SparQ
+from lsparse.model.sparq import SparQ, rank_for
 from lsparse.runtime import predictors
 from lsparse.runtime.cache import NeuronCache
 from lsparse.runtime.costs import CostLog, flash_report
@@ -150,7 +150,7 @@ def load_image(image, options: DecodeOptions | None = None, **fields) -> tuple[I
         for this, nxt in zip(ffns, ffns[1:], strict=False):
             this.next = nxt
     globals_ = held(image.resident("globals", ("embed",) * bool(memory.mapped) + ("lm_head",) * memory.head_mapped))
-    sparq = None if options.kv_top_k is None else SparQ(options.kv_rank or max(1, args.head_dim // 4),
+    sparq = None if options.kv_top_k is None else SparQ(rank_for(options.kv_rank, args.head_dim),
                                                         options.kv_top_k)
     kv_pages = None if options.kv_ram_tokens is None else KVSpill(image.path, options.kv_ram_tokens, sparq,
                                                                      options.direct)

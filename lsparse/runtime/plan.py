@@ -13,6 +13,7 @@ from lsparse.image.manifest import Manifest
 from lsparse.image.quantize import row_bytes as stored_row_bytes
 from lsparse.kernels.backends import STORED_MIN_WEIGHTS
 from lsparse.model import architecture
+from lsparse.model.sparq import rank_for
 from lsparse.runtime.flock import CHUNK, flock_size
 from lsparse.runtime.kv_flash import READ_BUFFER_BYTES as KV_READ_BUFFER_BYTES
 from lsparse.runtime.options import DecodeOptions
@@ -61,7 +62,7 @@ def _kv_bytes(args, n_kv: int, n_layers: int, options: DecodeOptions) -> int:
     context, h = options.context, args.head_dim
     if options.kv_ram_tokens is None:
         return n_layers * 2 * n_kv * context * h * F32
-    rank = min(options.kv_rank or max(1, h // 4), h)
+    rank = rank_for(options.kv_rank, h)
     return (n_layers * 2 * n_kv * min(context, 2 * options.kv_ram_tokens) * h * F32 + KV_READ_BUFFER_BYTES +
             args.num_attention_heads * context * rank * F32)
 
